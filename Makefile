@@ -1,0 +1,7 @@
+.PHONY: demo test lint
+demo:  ## set up and run the whole DAG on the emulated fleet
+	bash scripts/demo.sh
+test:  ## set up and run the tests and the lint
+	bash scripts/test.sh
+lint:
+	.venv/bin/ruff check .

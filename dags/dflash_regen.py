@@ -1,0 +1,117 @@
+"""
+### dflash_regen — regenerate a chat dataset with Qwen3.6-27B (thinking on) on a local SGLang fleet
+
+Stages the weights to the RAM disk, launches one SGLang server per GPU and proves **every** server is
+fit before any real work: enough KV tokens and running-request slots (`health_check`), and real answers —
+not reasoning only, not truncated, tool calls parsed — to representative prompts at the production
+`max_tokens` (`smoke_test`). The fleet is always stopped at the end.
+
+The gates are setup tasks: clearing a later task re-launches and re-checks the fleet before it runs.
+Reports land in `<output_root>/runs/<run_id>/reports/`. The demo defaults run on the SGLang emulator.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+
+from airflow.sdk import Param, dag, setup, task, teardown
+from dflash_regen import dag_tasks
+from dflash_regen.config import DEFAULTS as D
+
+FLEET, GATES, SAMPLING, OUTPUT, EMULATOR = "Fleet", "Fleet gates", "Sampling", "Output", "Emulator (demo and tests)"
+
+PARAMS = {
+    "model_source_dir": Param(D["model_source_dir"], type="string", minLength=1, section=FLEET,
+                              title="Model source directory",
+                              description="Directory with config.json and the weights (absolute path), or "
+                                          "'demo' for the generated stand-in model."),
+    "staging_dir": Param(D["staging_dir"], type="string", section=FLEET, title="Staging directory",
+                         description="Where the weights are copied before launch; empty = /dev/shm/<model name>."),
+    "server_command": Param(D["server_command"], type="string", minLength=1, section=FLEET,
+                            title="Server command",
+                            description="'emulator', or SGLang's launcher from its own local venv, e.g. "
+                                        "/opt/sglang-venv/bin/python -m sglang.launch_server (run without a shell).",
+                            examples=["emulator", "/opt/sglang-venv/bin/python -m sglang.launch_server"]),
+    "server_flags": Param(D["server_flags"], type="string", section=FLEET, title="Extra or overriding SGLang flags",
+                          description="Added to the Qwen3.6 MTP cookbook flags; '--flag off' drops a default, e.g. "
+                                      "'--max-mamba-cache-size 160 --max-running-requests 32'."),
+    "served_model_name": Param(D["served_model_name"], type="string", minLength=1, section=FLEET,
+                               title="Served model name"),
+    "num_servers": Param(D["num_servers"], type="integer", minimum=1, maximum=64, section=FLEET,
+                         title="Servers", description="One SGLang server per GPU."),
+    "gpu_ids": Param(D["gpu_ids"], type="string", pattern=r"^(\d+(,\d+)*)?$", section=FLEET, title="GPU ids",
+                     description="Comma-separated, one per server; empty = 0..servers-1."),
+    "base_port": Param(D["base_port"], type="integer", minimum=1024, maximum=65000, section=FLEET,
+                       title="Base port", description="Server i listens on 127.0.0.1:<base port + i>."),
+    "ready_timeout_s": Param(D["ready_timeout_s"], type="number", minimum=1, maximum=7200, section=FLEET,
+                             title="Ready timeout (s)", description="Per fleet launch, including CUDA graph capture."),
+    "import_timeout_s": Param(D["import_timeout_s"], type="number", minimum=1, maximum=600, section=FLEET,
+                              title="Import check timeout (s)",
+                              description="Pre-flight: the server interpreter must import its package in time."),
+    "min_kv_tokens": Param(D["min_kv_tokens"], type="integer", minimum=0, section=GATES, title="Minimum KV tokens",
+                           description="Per server. The seed's healthy B200 server had 1.14M."),
+    "min_running_requests": Param(D["min_running_requests"], type="integer", minimum=1, section=GATES,
+                                  title="Minimum running-request slots", description="Per server (effective)."),
+    "expected_prompt_tokens": Param(D["expected_prompt_tokens"], type="integer", minimum=1, section=GATES,
+                                    title="Expected mean prompt tokens", description="For KV headroom figures."),
+    "expected_output_tokens": Param(D["expected_output_tokens"], type="integer", minimum=1, section=GATES,
+                                    title="Expected mean output tokens", description="The seed's run: ~1,820."),
+    "smoke_timeout_s": Param(D["smoke_timeout_s"], type="number", minimum=1, section=GATES,
+                             title="Smoke request timeout (s)"),
+    "max_tokens": Param(D["max_tokens"], type="integer", minimum=16, maximum=1_000_000, section=SAMPLING,
+                        title="max_tokens", description="Production budget for reasoning + answer. 512 left the "
+                                                        "seed's answers empty; thinking needs >= 4096."),
+    "temperature": Param(D["temperature"], type="number", minimum=0, maximum=2, section=SAMPLING, title="Temperature"),
+    "top_p": Param(D["top_p"], type="number", exclusiveMinimum=0, maximum=1, section=SAMPLING, title="top_p"),
+    "enable_thinking": Param(D["enable_thinking"], type="boolean", section=SAMPLING, title="Thinking mode"),
+    "output_root": Param(D["output_root"], type="string", pattern="^/", section=OUTPUT, title="Output root",
+                         description="Absolute path; runs go to <output root>/runs/<run id>/."),
+    "emulator_faults": Param(D["emulator_faults"], type="object", section=EMULATOR, title="Emulator faults",
+                             description='Only with the emulator: {"<gpu id or *>": {"kv_tokens": 100000}} etc.'),
+    "emulator_profile": Param(D["emulator_profile"], type="object", section=EMULATOR, title="Emulator profile",
+                              description='Only with the emulator: e.g. {"decode_tokens_per_s": 20000}.'),
+}
+
+
+@dag(
+    dag_id="dflash_regen",
+    schedule=None,
+    start_date=dt.datetime(2026, 1, 1),
+    catchup=False,
+    max_active_runs=1,
+    doc_md=__doc__,
+    tags=["dflash", "sglang", "data"],
+    params=PARAMS,
+    default_args={"retries": 1, "retry_delay": dt.timedelta(seconds=10)},
+)
+def dflash_regen():
+    @task
+    def stage_weights(params=None, run_id=None) -> dict:
+        return dag_tasks.stage_weights(params, run_id)
+
+    @setup
+    @task
+    def launch_fleet(staged: dict, params=None, run_id=None) -> dict:
+        return dag_tasks.launch_fleet(params, run_id, staged["model_path"])
+
+    @setup
+    @task(retries=0)
+    def health_check(fleet: dict, params=None, run_id=None) -> dict:
+        return dag_tasks.health_check(params, run_id)
+
+    @setup
+    @task(retries=0)
+    def smoke_test(fleet: dict, health: dict, params=None, run_id=None) -> dict:
+        return dag_tasks.smoke_test(params, run_id)
+
+    @teardown
+    @task
+    def stop_fleet(fleet: dict, params=None, run_id=None) -> list[str]:
+        return dag_tasks.stop_fleet(params, run_id)
+
+    fleet = launch_fleet(stage_weights())
+    checked = smoke_test(fleet, health_check(fleet))
+    checked >> stop_fleet(fleet)
+
+
+dflash_regen()

@@ -1,0 +1,286 @@
+"""Typed, frozen run configuration built once from the DAG's Params.
+
+Every field is validated on construction; a bad value raises `ConfigError` naming the field, the value
+and the rule, before any GPU work starts. Airflow is not imported here: the DAG adapter passes the
+Params as a plain dict.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dflash_regen.errors import ConfigError
+
+EMULATOR = "emulator"
+DEMO_MODEL = "demo"
+
+# Qwen3.6-27B with MTP as SGLang's cookbook launches it (notes/sglang-api.md §1.1). Every flag can be
+# overridden or extended by the `server_flags` Param.
+COOKBOOK_FLAGS: dict[str, str | None] = {
+    "--reasoning-parser": "qwen3",
+    "--tool-call-parser": "qwen3_coder",
+    "--speculative-algorithm": "EAGLE",
+    "--speculative-num-steps": "3",
+    "--speculative-eagle-topk": "1",
+    "--speculative-num-draft-tokens": "4",
+    "--mamba-scheduler-strategy": "extra_buffer",
+    "--mem-fraction-static": "0.8",
+    "--enable-metrics": None,
+}
+COOKBOOK_ENV = {"SGLANG_ENABLE_SPEC_V2": "1"}
+
+# Default Param values (the DAG's trigger form shows them). Deployment-specific ones come from the
+# environment so a GPU node's docker-compose can set them once; the fallbacks run the demo.
+DEFAULTS: dict[str, Any] = {
+    "model_source_dir": os.environ.get("DFLASH_MODEL_SOURCE", DEMO_MODEL),
+    "staging_dir": os.environ.get("DFLASH_STAGING_DIR", ""),
+    "server_command": os.environ.get("DFLASH_SERVER_COMMAND", EMULATOR),
+    "server_flags": "",
+    "served_model_name": "qwen3.6-27b",
+    "num_servers": 7,
+    "gpu_ids": "",
+    "base_port": 30000,
+    "ready_timeout_s": 900.0,
+    "import_timeout_s": 120.0,
+    "min_kv_tokens": 1_000_000,
+    "min_running_requests": 16,
+    "expected_prompt_tokens": 600,
+    "expected_output_tokens": 1820,
+    "max_tokens": 16384,
+    "temperature": 0.6,
+    "top_p": 0.95,
+    "enable_thinking": True,
+    "smoke_timeout_s": 1800.0,
+    "output_root": os.environ.get("DFLASH_OUTPUT_ROOT", str(Path.home() / "dflash-regen")),
+    "emulator_faults": {},
+    "emulator_profile": {},
+}
+
+# Characters that only mean something to a shell. The server command is run from an argv list (never a
+# shell), so they could only be a mistake or an injection attempt: refuse them with a clear message.
+_SHELL_META = re.compile(r"[;&|`$<>(){}\\\n*?!]")
+_RUN_ID_UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
+
+
+def _fail(name: str, value: Any, rule: str) -> ConfigError:
+    return ConfigError(f"Param {name!r} = {value!r} is invalid: {rule}")
+
+
+def _int(params: dict, name: str, lo: int, hi: int) -> int:
+    value = params.get(name)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _fail(name, value, "must be an integer")
+    if not lo <= value <= hi:
+        raise _fail(name, value, f"must be between {lo:,} and {hi:,}")
+    return value
+
+
+def _float(params: dict, name: str, lo: float, hi: float) -> float:
+    value = params.get(name)
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise _fail(name, value, "must be a number")
+    if not lo <= value <= hi:
+        raise _fail(name, value, f"must be between {lo} and {hi}")
+    return float(value)
+
+
+def _str(params: dict, name: str, *, allow_empty: bool = False) -> str:
+    value = params.get(name)
+    if not isinstance(value, str) or (not allow_empty and not value.strip()):
+        raise _fail(name, value, "must be a non-empty string")
+    return value.strip()
+
+
+def split_command(text: str, name: str = "server_command") -> list[str]:
+    """Split a command line into argv, refusing shell syntax (it is never run by a shell)."""
+    if _SHELL_META.search(text):
+        bad = sorted(set(_SHELL_META.findall(text)))
+        raise _fail(name, text, f"contains shell syntax {''.join(bad)!r}; give a plain command such as "
+                    "'/opt/sglang-venv/bin/python -m sglang.launch_server' (it is run without a shell)")
+    try:
+        argv = shlex.split(text)
+    except ValueError as exc:
+        raise _fail(name, text, f"cannot be split into arguments ({exc})") from exc
+    if not argv:
+        raise _fail(name, text, "is empty")
+    return argv
+
+
+def parse_flags(text: str) -> list[tuple[str, str | None]]:
+    """Parse '--flag value --switch' into ordered (flag, value-or-None) pairs."""
+    tokens = split_command(text, "server_flags") if text.strip() else []
+    pairs: list[tuple[str, str | None]] = []
+    for token in tokens:
+        if token.startswith("--"):
+            flag, eq, value = token.partition("=")
+            pairs.append((flag, value if eq else None))
+        elif pairs and pairs[-1][1] is None:
+            pairs[-1] = (pairs[-1][0], token)
+        else:
+            raise _fail("server_flags", text, f"{token!r} is not after a --flag; write flags as '--name value'")
+    return pairs
+
+
+def merge_flags(defaults: dict[str, str | None], overrides: list[tuple[str, str | None]]) -> list[str]:
+    """Defaults overridden flag by flag; an override value of 'off' drops a default flag."""
+    merged = dict(defaults)
+    for flag, value in overrides:
+        if value == "off":
+            merged.pop(flag, None)
+        else:
+            merged[flag] = value
+    argv: list[str] = []
+    for flag, value in merged.items():
+        argv.append(flag)
+        if value is not None:
+            argv.append(value)
+    return argv
+
+
+def safe_run_id(run_id: str) -> str:
+    """Airflow run ids hold ':' and '+'; keep paths portable and readable."""
+    cleaned = _RUN_ID_UNSAFE.sub("_", run_id).strip("._")
+    if not cleaned:
+        raise ConfigError(f"run id {run_id!r} has no usable characters for a directory name")
+    return cleaned
+
+
+@dataclass(frozen=True)
+class FleetConfig:
+    """How to launch and judge the servers."""
+
+    server_argv: tuple[str, ...]  # interpreter + module (or executable), before the SGLang flags
+    is_emulator: bool
+    num_servers: int
+    gpu_ids: tuple[str, ...]
+    base_port: int
+    host: str
+    flags: tuple[str, ...]  # SGLang flags except model path, host, port, api key
+    env: tuple[tuple[str, str], ...]
+    served_model_name: str
+    ready_timeout_s: float
+    import_timeout_s: float
+    min_kv_tokens: int
+    min_running_requests: int
+    expected_prompt_tokens: int
+    expected_output_tokens: int
+
+    def port(self, index: int) -> int:
+        return self.base_port + index
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    max_tokens: int
+    temperature: float
+    top_p: float
+    enable_thinking: bool
+    smoke_timeout_s: float
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    run_id: str
+    output_root: Path
+    model_source: str  # a directory, or "demo" for the generated demo model
+    staging_dir: Path
+    fleet: FleetConfig
+    sampling: SamplingConfig
+    params: dict = field(repr=False, compare=False, default_factory=dict)
+
+    @property
+    def run_dir(self) -> Path:
+        return self.output_root / "runs" / self.run_id
+
+    @property
+    def fleet_dir(self) -> Path:
+        return self.run_dir / "fleet"
+
+    @property
+    def reports_dir(self) -> Path:
+        return self.run_dir / "reports"
+
+    @classmethod
+    def from_params(cls, params: dict, run_id: str) -> RunConfig:
+        output_root = Path(_str(params, "output_root")).expanduser()
+        if not output_root.is_absolute():
+            raise _fail("output_root", str(output_root), "must be an absolute path")
+        output_root = Path(os.path.normpath(output_root))
+
+        model_source = _str(params, "model_source_dir")
+        if model_source != DEMO_MODEL and not Path(model_source).is_absolute():
+            raise _fail("model_source_dir", model_source, f"must be an absolute path or {DEMO_MODEL!r}")
+        staging_text = _str(params, "staging_dir", allow_empty=True)
+        model_name = "dflash-demo-model" if model_source == DEMO_MODEL else Path(model_source).name
+        staging_dir = Path(staging_text or f"/dev/shm/{model_name}")
+        if not staging_dir.is_absolute() or ".." in staging_dir.parts:
+            raise _fail("staging_dir", str(staging_dir), "must be an absolute path without '..'")
+
+        command_text = _str(params, "server_command")
+        is_emulator = command_text == EMULATOR
+        server_argv = ([sys.executable, "-m", "dflash_regen.emulator"] if is_emulator
+                       else split_command(command_text))
+
+        num_servers = _int(params, "num_servers", 1, 64)
+        gpu_text = _str(params, "gpu_ids", allow_empty=True)
+        if gpu_text:
+            gpu_ids = tuple(g.strip() for g in gpu_text.split(","))
+            if len(gpu_ids) != num_servers or not all(g.isdigit() for g in gpu_ids):
+                raise _fail("gpu_ids", gpu_text, f"must list {num_servers} comma-separated GPU numbers "
+                            "(one per server), or be empty for 0..num_servers-1")
+        else:
+            gpu_ids = tuple(str(i) for i in range(num_servers))
+        base_port = _int(params, "base_port", 1024, 65535 - num_servers)
+
+        overrides = parse_flags(_str(params, "server_flags", allow_empty=True))
+        for flag, _ in overrides:
+            if flag in {"--model-path", "--model", "--host", "--port", "--api-key"}:
+                raise _fail("server_flags", flag, "is set by the launcher (per server); remove it")
+        flags = merge_flags(COOKBOOK_FLAGS, overrides)
+        served = _str(params, "served_model_name")
+
+        env = dict(COOKBOOK_ENV)
+        if is_emulator:
+            for name, var in (("emulator_faults", "DFLASH_EMU_FAULTS"), ("emulator_profile", "DFLASH_EMU_PROFILE")):
+                value = params.get(name) or {}
+                if not isinstance(value, dict):
+                    raise _fail(name, value, "must be a JSON object")
+                if value:
+                    env[var] = json.dumps(value, sort_keys=True)
+
+        fleet = FleetConfig(
+            server_argv=tuple(server_argv),
+            is_emulator=is_emulator,
+            num_servers=num_servers,
+            gpu_ids=gpu_ids,
+            base_port=base_port,
+            host="127.0.0.1",
+            flags=tuple(flags),
+            env=tuple(sorted(env.items())),
+            served_model_name=served,
+            ready_timeout_s=_float(params, "ready_timeout_s", 1, 7200),
+            import_timeout_s=_float(params, "import_timeout_s", 1, 600),
+            min_kv_tokens=_int(params, "min_kv_tokens", 0, 10**9),
+            min_running_requests=_int(params, "min_running_requests", 1, 100_000),
+            expected_prompt_tokens=_int(params, "expected_prompt_tokens", 1, 10**7),
+            expected_output_tokens=_int(params, "expected_output_tokens", 1, 10**7),
+        )
+        enable_thinking = params.get("enable_thinking")
+        if not isinstance(enable_thinking, bool):
+            raise _fail("enable_thinking", enable_thinking, "must be true or false")
+        sampling = SamplingConfig(
+            max_tokens=_int(params, "max_tokens", 16, 1_000_000),
+            temperature=_float(params, "temperature", 0.0, 2.0),
+            top_p=_float(params, "top_p", 0.01, 1.0),
+            enable_thinking=enable_thinking,
+            smoke_timeout_s=_float(params, "smoke_timeout_s", 1, 86_400),
+        )
+        return cls(run_id=safe_run_id(run_id), output_root=output_root, model_source=model_source,
+                   staging_dir=staging_dir, fleet=fleet, sampling=sampling, params=dict(params))

@@ -1,0 +1,103 @@
+"""The thin adapter between the DAG and the library: Params in, typed config, plain results out.
+
+Each function is one task body. They pass paths and small dicts (XCom), never data, and write their full
+reports into the run's `reports/` folder. Errors that a retry cannot fix (bad Params, a failed gate,
+no space on the RAM disk) become `AirflowFailException`, so Airflow fails the task at once with the
+library's one-line explanation instead of retrying it.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import os
+from pathlib import Path
+
+from airflow.sdk.exceptions import AirflowFailException
+
+from dflash_regen import fleet, probes, smoke, staging
+from dflash_regen.config import DEMO_MODEL, RunConfig
+from dflash_regen.demo_model import write_demo_model
+from dflash_regen.errors import ConfigError, GateFailed, StagingError
+
+log = logging.getLogger(__name__)
+
+
+def fail_fast(fn):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except (ConfigError, GateFailed, StagingError) as exc:
+            raise AirflowFailException(f"{type(exc).__name__}: {exc}") from exc
+
+    return wrapper
+
+
+def write_report(cfg: RunConfig, name: str, report: dict) -> Path:
+    cfg.reports_dir.mkdir(parents=True, exist_ok=True)
+    path = cfg.reports_dir / f"{name}.json"
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(report, indent=1, sort_keys=True, default=str))
+    os.replace(tmp, path)
+    return path
+
+
+def _servers(cfg: RunConfig) -> tuple[list[fleet.Server], str]:
+    servers = fleet.load_servers(cfg.fleet_dir)
+    if len(servers) != cfg.fleet.num_servers:
+        raise GateFailed(f"{cfg.fleet_dir} records {len(servers)} servers, expected {cfg.fleet.num_servers}; "
+                         "re-run launch_fleet")
+    return servers, fleet.read_api_key(cfg.fleet_dir)
+
+
+@fail_fast
+def stage_weights(params: dict, run_id: str) -> dict:
+    cfg = RunConfig.from_params(params, run_id)  # validates every Param before any GPU work
+    source = Path(cfg.model_source)
+    if cfg.model_source == DEMO_MODEL:
+        source = write_demo_model(cfg.output_root / "demo-model")
+        log.info("demo: generated a stand-in model dir at %s", source)
+    report = staging.stage(source, cfg.staging_dir)
+    write_report(cfg, "staging", report.to_dict())
+    return {"model_path": str(cfg.staging_dir), "copied_bytes": report.copied_bytes}
+
+
+@fail_fast
+def launch_fleet(params: dict, run_id: str, model_path: str) -> dict:
+    cfg = RunConfig.from_params(params, run_id)
+    servers = fleet.launch_fleet(cfg.fleet, Path(model_path), cfg.fleet_dir)
+    return {"fleet_dir": str(cfg.fleet_dir), "servers": [{"index": s.index, "url": s.url, "gpu": s.gpu,
+                                                            "pid": s.pid, "log": s.log_path} for s in servers]}
+
+
+@fail_fast
+def health_check(params: dict, run_id: str) -> dict:
+    cfg = RunConfig.from_params(params, run_id)
+    servers, key = _servers(cfg)
+    try:
+        report = probes.health_gate(servers, key, cfg.fleet)
+    except GateFailed as exc:
+        write_report(cfg, "health", {"passed": False, "error": str(exc)})
+        raise
+    write_report(cfg, "health", report)
+    return {"servers": len(servers), "total_running_slots": report["total_running_slots"]}
+
+
+@fail_fast
+def smoke_test(params: dict, run_id: str) -> dict:
+    cfg = RunConfig.from_params(params, run_id)
+    servers, key = _servers(cfg)
+    try:
+        report = smoke.smoke_gate(servers, key, cfg.sampling, cfg.fleet.served_model_name)
+    except GateFailed as exc:
+        write_report(cfg, "smoke", {"passed": False, "error": str(exc)})
+        raise
+    write_report(cfg, "smoke", report)
+    return {"servers": len(servers), "passed": True}
+
+
+def stop_fleet(params: dict, run_id: str) -> list[str]:
+    cfg = RunConfig.from_params(params, run_id)
+    return fleet.stop_fleet(cfg.fleet_dir)

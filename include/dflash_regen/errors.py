@@ -1,0 +1,25 @@
+"""One exception tree for the pipeline.
+
+Every message says what happened, with which value, and what to do next. Task adapters turn
+`ConfigError`, `GateFailed` and `StagingError` into non-retryable task failures: retrying cannot fix them.
+"""
+
+
+class DflashError(Exception):
+    """Base of every error this package raises on purpose."""
+
+
+class ConfigError(DflashError, ValueError):
+    """A run parameter is invalid: names the field, the value and the rule."""
+
+
+class StagingError(DflashError):
+    """Model weights could not be staged (space, missing files, checksum mismatch)."""
+
+
+class FleetError(DflashError):
+    """A server could not be launched, did not become ready, or could not be stopped."""
+
+
+class GateFailed(DflashError):
+    """A fleet gate (allocation health check or smoke test) rejected one or more servers."""

@@ -1,0 +1,340 @@
+"""Launch, wait for, and stop the fleet of SGLang servers (one process per GPU).
+
+Real SGLang and the emulator are started by the same code: an explicit argv (never a shell string),
+`CUDA_VISIBLE_DEVICES=<gpu>`, port `base + i` on 127.0.0.1, an API key, stdout/stderr to
+`fleet/server-<i>.log`, and the pid plus launch spec in `fleet/server-<i>.json`. Processes get their own
+session so they outlive the task that started them; `stop_fleet` ends exactly the recorded processes
+(by pid *and* start time, so a recycled pid is never killed).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import secrets
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import requests
+
+from dflash_regen.config import FleetConfig
+from dflash_regen.errors import FleetError
+
+log = logging.getLogger(__name__)
+
+API_KEY_FILE = "api_key"
+API_KEY_ENV = "DFLASH_SGLANG_API_KEY"
+NETWORK_FILESYSTEMS = {"nfs", "nfs4", "cifs", "smb3", "smbfs", "9p", "lustre", "gpfs", "beegfs", "ceph",
+                       "glusterfs", "afs", "davfs"}
+REDACTED = "***"
+
+
+@dataclass(frozen=True)
+class Server:
+    """One launched (or to-be-launched) server, as recorded in `fleet/server-<i>.json`."""
+
+    index: int
+    gpu: str
+    host: str
+    port: int
+    argv: list[str]
+    log_path: str
+    pid: int = 0
+    start_ticks: int = 0
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def name(self) -> str:
+        return f"server {self.index} (GPU {self.gpu}, {self.host}:{self.port})"
+
+
+def spec_path(fleet_dir: Path, index: int) -> Path:
+    return fleet_dir / f"server-{index}.json"
+
+
+def ensure_api_key(fleet_dir: Path) -> str:
+    """The key from the environment (a deployment secret) or a fresh random one, kept 0600 in the fleet dir."""
+    key = os.environ.get(API_KEY_ENV) or secrets.token_urlsafe(24)
+    fleet_dir.mkdir(parents=True, exist_ok=True)
+    path = fleet_dir / API_KEY_FILE
+    tmp = path.with_name(path.name + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(key)
+    os.replace(tmp, path)
+    return key
+
+
+def read_api_key(fleet_dir: Path) -> str:
+    path = fleet_dir / API_KEY_FILE
+    if not path.is_file():
+        raise FleetError(f"no API key in {path}: the fleet of this run was never launched; run launch_fleet")
+    return path.read_text().strip()
+
+
+def redact(text: str, secret: str) -> str:
+    return text.replace(secret, REDACTED) if secret else text
+
+
+def log_tail(path: str | Path, secret: str = "", lines: int = 25) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 64 * 1024))
+            text = f.read().decode("utf-8", "replace")
+    except FileNotFoundError:
+        return "(no log file)"
+    tail = "\n".join(text.splitlines()[-lines:])
+    return redact(tail, secret) or "(log is empty)"
+
+
+def plan_servers(cfg: FleetConfig, model_path: Path, fleet_dir: Path, api_key: str) -> list[Server]:
+    servers = []
+    for i in range(cfg.num_servers):
+        argv = [*cfg.server_argv, "--model-path", str(model_path), "--served-model-name", cfg.served_model_name,
+                "--host", cfg.host, "--port", str(cfg.port(i)), "--api-key", api_key, *cfg.flags]
+        servers.append(Server(i, cfg.gpu_ids[i], cfg.host, cfg.port(i), argv, str(fleet_dir / f"server-{i}.log")))
+    return servers
+
+
+# ---------------------------------------------------------------------------------------------- pre-flight
+def _mount_type(path: Path) -> tuple[str, str]:
+    """Filesystem type and mount point holding `path` (longest matching mount point)."""
+    best = ("", "")
+    real = os.path.realpath(path)
+    with open("/proc/mounts") as f:
+        for line in f:
+            parts = line.split()
+            if len(parts) < 3:
+                continue
+            mount = parts[1].replace("\\040", " ")
+            if (real == mount or real.startswith(mount.rstrip("/") + "/")) and len(mount) > len(best[1]):
+                best = (parts[2], mount)
+    return best
+
+
+def _is_network_fs(fstype: str) -> bool:
+    return fstype in NETWORK_FILESYSTEMS or fstype.startswith("fuse.sshfs") or fstype.startswith("nfs")
+
+
+def check_port_free(host: str, port: int) -> None:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as exc:
+            raise FleetError(f"port {port} on {host} is already in use ({exc.strerror}); another server is "
+                             f"running there. Find it with `ss -ltnp 'sport = :{port}'` and stop it, or set Param "
+                             "base_port to a free range.") from exc
+
+
+def check_server_command(cfg: FleetConfig) -> None:
+    """The interpreter must be on a local disk and able to import the server package in time."""
+    exe = shutil.which(cfg.server_argv[0])
+    if exe is None:
+        raise FleetError(f"server command {cfg.server_argv[0]!r} not found or not executable; build SGLang's "
+                         "venv with scripts/build-sglang-venv.sh and set Param server_command to its python")
+    fstype, mount = _mount_type(Path(exe))
+    if _is_network_fs(fstype):
+        raise FleetError(f"server interpreter {exe} is on a network filesystem ({fstype} at {mount}); SGLang's "
+                         "imports hang there. Build a local venv (scripts/build-sglang-venv.sh) and point Param "
+                         "server_command at it.")
+    argv = list(cfg.server_argv)
+    if "-m" in argv[:-1]:
+        package = argv[argv.index("-m") + 1].split(".")[0]
+        probe = [argv[0], "-c", f"import {package}"]
+        started = time.monotonic()
+        try:
+            done = subprocess.run(probe, capture_output=True, text=True, timeout=cfg.import_timeout_s, check=False)
+        except subprocess.TimeoutExpired as exc:
+            raise FleetError(f"`{shlex.join(probe)}` did not finish in {cfg.import_timeout_s:.0f} s: imports are "
+                             "hanging (network filesystem? see the seed); use a local venv") from exc
+        if done.returncode != 0:
+            last = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
+            raise FleetError(f"`{shlex.join(probe)}` failed (exit {done.returncode}): {last}. Install the server "
+                             "package into that interpreter (scripts/build-sglang-venv.sh).")
+        log.info("pre-flight: %s imports %s in %.1f s", argv[0], package, time.monotonic() - started)
+
+
+def preflight(cfg: FleetConfig, servers: list[Server], model_path: Path) -> None:
+    if not (model_path / "config.json").is_file():
+        raise FleetError(f"model dir {model_path} has no config.json; run stage_weights first")
+    if len(set(cfg.gpu_ids)) != len(cfg.gpu_ids):
+        raise FleetError(f"GPU ids {','.join(cfg.gpu_ids)} repeat a GPU; give each server its own")
+    for server in servers:
+        check_port_free(server.host, server.port)
+    check_server_command(cfg)
+
+
+# ------------------------------------------------------------------------------------------ process control
+def _start_ticks(pid: int) -> int:
+    """Process start time in clock ticks since boot (field 22 of /proc/<pid>/stat); 0 if gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return 0
+    return int(stat.rsplit(")", 1)[1].split()[19])
+
+
+def _alive(server: Server) -> bool:
+    """True while the recorded process (same pid, same start time) exists and is not a zombie."""
+    try:
+        stat = Path(f"/proc/{server.pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    fields = stat.rsplit(")", 1)[1].split()
+    return fields[0] != "Z" and int(fields[19]) == server.start_ticks
+
+
+def _reap(pid: int) -> None:
+    try:
+        os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        pass  # not our child (launched by an earlier task process): init reaps it
+
+
+def start_server(server: Server, base_env: dict[str, str], fleet_dir: Path,
+                 api_key: str) -> tuple[Server, subprocess.Popen]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AIRFLOW")}  # keep Airflow secrets out
+    env.update(base_env)
+    env["CUDA_VISIBLE_DEVICES"] = server.gpu
+    env["PYTHONUNBUFFERED"] = "1"
+    log.info("launching %s: %s", server.name, redact(shlex.join(server.argv), api_key))
+    with open(server.log_path, "ab") as logf:
+        proc = subprocess.Popen(server.argv, stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT,
+                                env=env, start_new_session=True, close_fds=True)
+    launched = Server(**{**asdict(server), "pid": proc.pid, "start_ticks": _start_ticks(proc.pid)})
+    record = {**asdict(launched), "argv": [redact(a, api_key) for a in launched.argv],
+              "env": base_env, "launched_at": time.time()}
+    path = spec_path(fleet_dir, server.index)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(record, indent=1))
+    os.replace(tmp, path)
+    return launched, proc
+
+
+def load_servers(fleet_dir: Path) -> list[Server]:
+    servers = []
+    for path in sorted(fleet_dir.glob("server-*.json"), key=lambda p: int(p.stem.split("-")[1])):
+        record = json.loads(path.read_text())
+        servers.append(Server(**{k: record[k] for k in Server.__dataclass_fields__}))
+    return servers
+
+
+def stop_servers(servers: list[Server], *, grace_s: float = 15.0) -> list[str]:
+    """TERM each recorded process group, then KILL what is left; returns what was stopped."""
+    stopped = []
+    live = [s for s in servers if s.pid and _alive(s)]
+    for server in live:
+        try:
+            os.killpg(server.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            continue
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline:
+        for server in live:
+            _reap(server.pid)
+        if not any(_alive(s) for s in live):
+            break
+        time.sleep(0.1)
+    for server in live:
+        if _alive(server):
+            log.warning("%s ignored SIGTERM for %.0f s: sending SIGKILL", server.name, grace_s)
+            try:
+                os.killpg(server.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    for server in live:
+        for _ in range(50):
+            _reap(server.pid)
+            if not _alive(server):
+                break
+            time.sleep(0.1)
+        else:
+            raise FleetError(f"{server.name} pid {server.pid} is still alive after SIGKILL; check `ps -p "
+                             f"{server.pid}` (stuck in the kernel? a GPU driver hang?)")
+        stopped.append(f"{server.name} pid {server.pid}")
+    return stopped
+
+
+def stop_fleet(fleet_dir: Path) -> list[str]:
+    """Stop every server this run recorded. Safe to call twice, or when nothing was launched."""
+    if not fleet_dir.is_dir():
+        return []
+    stopped = stop_servers(load_servers(fleet_dir))
+    for line in stopped:
+        log.info("stopped %s", line)
+    return stopped
+
+
+# ---------------------------------------------------------------------------------------------- readiness
+def _health_ok(server: Server, timeout: float) -> bool:
+    try:
+        return requests.get(f"{server.url}/health", timeout=timeout).status_code == 200
+    except requests.RequestException:
+        return False
+
+
+def wait_ready(servers: list[Server], procs: dict[int, subprocess.Popen], api_key: str, timeout_s: float) -> dict:
+    """Poll /health on every server while watching its process; returns seconds-to-ready per index."""
+    started = time.monotonic()
+    pending = {s.index: s for s in servers}
+    ready: dict[int, float] = {}
+    with ThreadPoolExecutor(max_workers=len(servers)) as pool:
+        while pending:
+            for index, server in list(pending.items()):
+                code = procs[index].poll()
+                if code is not None:
+                    raise FleetError(f"{server.name} exited with code {code} after {time.monotonic() - started:.0f} s "
+                                     f"before it was ready; log: {server.log_path}; last lines:\n"
+                                     f"{log_tail(server.log_path, api_key)}")
+            results = dict(zip(pending, pool.map(lambda s: _health_ok(s, 5.0), pending.values()), strict=True))
+            for index, ok in results.items():
+                if ok:
+                    ready[index] = time.monotonic() - started
+                    log.info("%s ready after %.1f s", pending.pop(index).name, ready[index])
+            if pending and time.monotonic() - started > timeout_s:
+                lines = [f"{s.name} not ready after {timeout_s:.0f} s; log: {s.log_path}; last lines:\n"
+                         f"{log_tail(s.log_path, api_key, 10)}" for s in pending.values()]
+                raise FleetError("\n".join(lines) + "\nRaise Param ready_timeout_s if loading is just slow.")
+            if pending:
+                time.sleep(0.25)
+    return ready
+
+
+def launch_fleet(cfg: FleetConfig, model_path: Path, fleet_dir: Path) -> list[Server]:
+    """Stop leftovers of this run, pre-flight, start all servers, wait until every one is ready.
+
+    On any failure every server this call started is stopped before the error propagates, so a failed
+    launch never leaves processes behind (Airflow skips the teardown when its setup failed).
+    """
+    fleet_dir.mkdir(parents=True, exist_ok=True)
+    leftovers = stop_fleet(fleet_dir)  # a re-run of this run's setup after a crash or a cleared shard
+    if leftovers:
+        log.warning("stopped %d servers left running by an earlier attempt of this run", len(leftovers))
+    api_key = ensure_api_key(fleet_dir)
+    planned = plan_servers(cfg, model_path, fleet_dir, api_key)
+    preflight(cfg, planned, model_path)
+    launched: list[Server] = []
+    procs: dict[int, subprocess.Popen] = {}
+    try:
+        for server in planned:
+            record, procs[server.index] = start_server(server, dict(cfg.env), fleet_dir, api_key)
+            launched.append(record)
+        ready = wait_ready(launched, procs, api_key, cfg.ready_timeout_s)
+    except BaseException:
+        stop_servers(launched)
+        raise
+    log.info("fleet of %d servers ready in %.1f s (slowest)", len(launched), max(ready.values()))
+    return launched

@@ -1,0 +1,177 @@
+"""Health and allocation gate: is every server alive, and did it get enough memory and slots?
+
+Reads SGLang's `/health` (a 1-token generation in SGLang, so it proves the scheduler answers),
+`/server_info` (KV tokens, effective running-request slots, Mamba slots) and the startup log, compares
+them with the run's minimums, and explains which resource binds concurrency: the seed's node had room in
+its KV cache for hundreds of requests but only 80 Mamba slots, which SGLang turns into 16 running
+requests (80 // 5 with `extra_buffer` + spec v2; notes/sglang-api.md §3.2).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+
+import requests
+
+from dflash_regen.config import FleetConfig
+from dflash_regen.errors import GateFailed
+from dflash_regen.fleet import Server
+
+log = logging.getLogger(__name__)
+
+KV_LINE = re.compile(r"KV Cache is allocated\. #tokens: (\d+), (?:K size: ([\d.]+) GB, V size: ([\d.]+) GB|"
+                     r"KV size: ([\d.]+) GB)")
+MAMBA_LINE = re.compile(r"Mamba Cache is allocated\. max_mamba_cache_size: (\d+),")
+SCHEDULER_LINE = re.compile(r"max_total_num_tokens=(\d+), chunked_prefill_size=(-?\d+), max_prefill_tokens=(\d+), "
+                            r"max_running_requests=(\d+), context_len=(\d+)")
+
+
+def parse_startup_log(text: str) -> dict:
+    """Allocation figures from SGLang's startup lines (first KV line is the target model's pool)."""
+    found: dict = {}
+    if m := KV_LINE.search(text):
+        found["kv_tokens"] = int(m.group(1))
+        k, v, kv = m.group(2), m.group(3), m.group(4)
+        found["kv_cache_gb"] = round(float(k) + float(v), 2) if k else float(kv)
+    if m := MAMBA_LINE.search(text):
+        found["mamba_slots"] = int(m.group(1))
+    if m := SCHEDULER_LINE.search(text):
+        found["running_slots"] = int(m.group(4))
+        found["context_len"] = int(m.group(5))
+    return found
+
+
+@dataclass
+class Allocation:
+    kv_tokens: int
+    running_slots: int  # what the scheduler will actually run at once (Mamba-capped)
+    max_running_requests: int | None  # the server-args value before the Mamba cap
+    mamba_slots: int | None
+    kv_cache_gb: float | None
+    radix_cache: bool
+    mamba_strategy: str | None
+
+    @classmethod
+    def from_server_info(cls, info: dict) -> Allocation:
+        try:
+            state = info["internal_states"][0]
+            return cls(
+                kv_tokens=int(info["max_total_num_tokens"]),
+                running_slots=int(state["effective_max_running_requests_per_dp"]),
+                max_running_requests=info.get("max_running_requests"),
+                mamba_slots=info.get("max_mamba_cache_size"),
+                kv_cache_gb=(state.get("memory_usage") or {}).get("kvcache"),
+                radix_cache=not info.get("disable_radix_cache", False),
+                mamba_strategy=info.get("mamba_scheduler_strategy"),
+            )
+        except (KeyError, IndexError, TypeError, ValueError) as exc:
+            raise ValueError(f"/server_info lacks allocation field {exc}; is this SGLang >= 0.5.10?") from exc
+
+
+@dataclass
+class ServerHealth:
+    server: str
+    url: str
+    healthy: bool
+    allocation: dict | None = None
+    log_figures: dict = field(default_factory=dict)
+    kv_request_capacity: int | None = None  # requests of the run's expected size the KV cache could hold
+    binding: str = ""
+    advice: str = ""
+    problems: list[str] = field(default_factory=list)
+
+
+def binding_resource(alloc: Allocation, request_tokens: int) -> tuple[int, str, str]:
+    """(KV capacity in requests, which resource caps running requests, the flags that would lift it)."""
+    kv_capacity = alloc.kv_tokens // max(request_tokens, 1)
+    if alloc.running_slots >= kv_capacity:
+        return kv_capacity, "KV tokens", (
+            f"the KV cache holds only {kv_capacity} requests of ~{request_tokens:,} tokens: raise "
+            "--mem-fraction-static, lower max_tokens, or lower --max-mamba-cache-size to give KV more memory")
+    capped_below_arg = alloc.max_running_requests is None or alloc.running_slots < alloc.max_running_requests
+    if alloc.mamba_slots and capped_below_arg:
+        ratio = max(1, alloc.mamba_slots // max(alloc.running_slots, 1))
+        target = min(kv_capacity, max(2 * alloc.running_slots, alloc.running_slots + 1))
+        return kv_capacity, f"Mamba slots ({alloc.mamba_slots} // {ratio} = {alloc.running_slots})", (
+            f"the KV cache could hold {kv_capacity} such requests; for {target} running requests launch with "
+            f"--max-mamba-cache-size {target * ratio} --max-running-requests {target} (costs some KV tokens)")
+    return kv_capacity, f"--max-running-requests={alloc.max_running_requests}", (
+        f"the KV cache could hold {kv_capacity} such requests; raise --max-running-requests "
+        f"(Mamba slots allow {alloc.mamba_slots // 3 if alloc.mamba_slots else 'more'})")
+
+
+def probe_server(server: Server, api_key: str, cfg: FleetConfig, timeout_s: float = 30.0) -> ServerHealth:
+    result = ServerHealth(server=server.name, url=server.url, healthy=False)
+    try:
+        health = requests.get(f"{server.url}/health", timeout=timeout_s)
+    except requests.RequestException as exc:
+        result.problems.append(f"/health did not answer within {timeout_s:.0f} s ({type(exc).__name__}); "
+                               f"the server is down or wedged; log: {server.log_path}")
+        return result
+    if health.status_code != 200:
+        result.problems.append(f"/health answered HTTP {health.status_code}: the scheduler did not produce a "
+                               f"token (SGLang runs a 1-token generation); log: {server.log_path}")
+        return result
+    try:
+        info = requests.get(f"{server.url}/server_info", timeout=timeout_s,
+                            headers={"Authorization": f"Bearer {api_key}"})
+        info.raise_for_status()
+        alloc = Allocation.from_server_info(info.json())
+    except (requests.RequestException, ValueError) as exc:
+        result.problems.append(f"/server_info failed: {exc}. It round-trips to the scheduler, so a hang here "
+                               "means the scheduler is stuck")
+        return result
+    result.healthy = True
+    result.allocation = asdict(alloc)
+    try:
+        with open(server.log_path, errors="replace") as f:
+            result.log_figures = parse_startup_log(f.read(4 * 1024 * 1024))
+    except FileNotFoundError:
+        result.log_figures = {}
+    logged_kv = result.log_figures.get("kv_tokens")
+    if logged_kv is not None and logged_kv != alloc.kv_tokens:
+        result.problems.append(f"startup log says {logged_kv:,} KV tokens but /server_info says "
+                               f"{alloc.kv_tokens:,}; check {server.log_path}")
+    request_tokens = cfg.expected_prompt_tokens + cfg.expected_output_tokens
+    result.kv_request_capacity, result.binding, result.advice = binding_resource(alloc, request_tokens)
+    if alloc.kv_tokens < cfg.min_kv_tokens:
+        result.problems.append(f"only {alloc.kv_tokens:,} KV tokens allocated (minimum {cfg.min_kv_tokens:,}): "
+                               "another process may hold GPU memory, or --mem-fraction-static / "
+                               "--max-total-tokens is too low")
+    if alloc.running_slots < cfg.min_running_requests:
+        result.problems.append(f"only {alloc.running_slots} running-request slots (minimum "
+                               f"{cfg.min_running_requests}), bound by {result.binding}: {result.advice}")
+    return result
+
+
+def format_table(results: list[ServerHealth]) -> str:
+    header = f"{'server':<40} {'health':<7} {'KV tokens':>11} {'KV GB':>6} {'slots':>5} {'mamba':>5} " \
+             f"{'KV fits':>7}  binding"
+    rows = [header, "-" * len(header)]
+    for r in results:
+        a = r.allocation or {}
+        rows.append(f"{r.server:<40} {'ok' if r.healthy else 'DOWN':<7} {a.get('kv_tokens', 0):>11,} "
+                    f"{a.get('kv_cache_gb') or 0:>6.1f} {a.get('running_slots', 0):>5} "
+                    f"{a.get('mamba_slots') or 0:>5} {r.kv_request_capacity or 0:>7}  {r.binding}")
+    return "\n".join(rows)
+
+
+def health_gate(servers: list[Server], api_key: str, cfg: FleetConfig) -> dict:
+    """Probe every server in parallel; raise `GateFailed` naming each bad one. Returns the report."""
+    with ThreadPoolExecutor(max_workers=max(1, len(servers))) as pool:
+        results = list(pool.map(lambda s: probe_server(s, api_key, cfg), servers))
+    log.info("fleet allocation (KV fits = requests of %d prompt + %d output tokens the KV cache holds):\n%s",
+             cfg.expected_prompt_tokens, cfg.expected_output_tokens, format_table(results))
+    for r in results:
+        if r.healthy and not r.problems:
+            log.info("%s: concurrency bound by %s; %s", r.server, r.binding, r.advice)
+    bad = [r for r in results if r.problems]
+    report = {"servers": [asdict(r) for r in results], "passed": not bad,
+              "total_running_slots": sum((r.allocation or {}).get("running_slots", 0) for r in results)}
+    if bad:
+        raise GateFailed(f"health check failed on {len(bad)} of {len(results)} servers:\n" + "\n".join(
+            f"- {r.server}: " + "; ".join(r.problems) for r in bad))
+    return report
