@@ -29,6 +29,14 @@ CHUNK = 16 * 1024 * 1024
 FREE_MARGIN_BYTES = 256 * 1024 * 1024
 
 
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if abs(n) < 1000 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1000
+    raise AssertionError("unreachable")
+
+
 @dataclass(frozen=True)
 class StageReport:
     staging_dir: str
@@ -136,8 +144,8 @@ def stage(source: Path, dest: Path, *, progress_every_s: float = 5.0) -> StageRe
         except json.JSONDecodeError:
             recorded = None
         if recorded == files and all((dest / rel).is_file() for rel in files):
-            log.info("weights already staged in %s (%d files, %.1f GB): nothing to copy",
-                     dest, len(files), total / 1e9)
+            log.info("weights already staged in %s (%d files, %s): nothing to copy",
+                     dest, len(files), human_bytes(total))
             return StageReport(str(dest), len(files), total, 0, 0, len(files), time.monotonic() - started, 0)
 
     dest.mkdir(parents=True, exist_ok=True)
@@ -148,11 +156,11 @@ def stage(source: Path, dest: Path, *, progress_every_s: float = 5.0) -> StageRe
     free = shutil.disk_usage(dest).free + reclaimable
     if needed + FREE_MARGIN_BYTES > free:
         raise StagingError(
-            f"not enough free space in {dest}: need {needed / 1e9:.2f} GB (+{FREE_MARGIN_BYTES / 1e9:.2f} GB "
-            f"margin) for {len(todo)} files, only {free / 1e9:.2f} GB free. Free space there (e.g. remove old "
+            f"not enough free space in {dest}: need {human_bytes(needed)} (+{human_bytes(FREE_MARGIN_BYTES)} "
+            f"margin) for {len(todo)} files, only {human_bytes(free)} free. Free space there (e.g. remove old "
             "staged models) or set Param staging_dir to a larger local disk.")
-    log.info("staging %d of %d files (%.2f GB) from %s to %s; %d already staged",
-             len(todo), len(files), needed / 1e9, source, dest, len(files) - len(todo))
+    log.info("staging %d of %d files (%s) from %s to %s; %d already staged",
+             len(todo), len(files), human_bytes(needed), source, dest, len(files) - len(todo))
 
     copied = 0
     last_log = time.monotonic()
@@ -164,7 +172,7 @@ def stage(source: Path, dest: Path, *, progress_every_s: float = 5.0) -> StageRe
         if now - last_log >= progress_every_s:
             last_log = now
             elapsed = now - started
-            log.info("staged %.2f / %.2f GB (%.0f%%) at %.0f MB/s", copied / 1e9, needed / 1e9,
+            log.info("staged %s / %s (%.0f%%) at %.0f MB/s", human_bytes(copied), human_bytes(needed),
                      100 * copied / max(needed, 1), copied / 1e6 / max(elapsed, 1e-9))
 
     for rel, size in todo.items():
@@ -175,6 +183,6 @@ def stage(source: Path, dest: Path, *, progress_every_s: float = 5.0) -> StageRe
     os.replace(tmp_marker, marker)
     report = StageReport(str(dest), len(files), total, len(todo), needed, len(files) - len(todo),
                          time.monotonic() - started, sum(1 for rel in todo if rel in sums))
-    log.info("staged %d files (%.2f GB) in %.1f s (%.0f MB/s), %d checksums verified", report.copied_files,
-             needed / 1e9, report.seconds, report.mb_per_s, report.verified_checksums)
+    log.info("staged %d files (%s) in %.1f s (%.0f MB/s), %d checksums verified", report.copied_files,
+             human_bytes(needed), report.seconds, report.mb_per_s, report.verified_checksums)
     return report

@@ -1,0 +1,95 @@
+"""Shared fixtures. Airflow reads its config at import, so the environment is set before anything imports it."""
+
+from __future__ import annotations
+
+import os
+import random
+import socket
+import tempfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+os.environ["AIRFLOW_HOME"] = tempfile.mkdtemp(prefix="dflash-airflow-home-")
+os.environ["AIRFLOW__CORE__DAGS_FOLDER"] = str(ROOT / "dags")
+os.environ["AIRFLOW__CORE__PLUGINS_FOLDER"] = str(ROOT / "plugins")
+os.environ["AIRFLOW__CORE__LOAD_EXAMPLES"] = "False"
+os.environ["AIRFLOW__CORE__DAGS_ARE_PAUSED_AT_CREATION"] = "False"
+os.environ.pop("DFLASH_SGLANG_API_KEY", None)
+
+# Fast emulated model for tests: a 2,000-token answer streams in ~0.1 s.
+FAST_PROFILE = {"decode_tokens_per_s": 20000, "startup_s": 0.1}
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port_block(n: int) -> int:
+    """A base port with n consecutive free ports (tests never use the production 30000 range)."""
+    for _ in range(200):
+        base = random.randrange(20000, 60000 - n)
+        if all(_port_free(base + i) for i in range(n)):
+            return base
+    raise RuntimeError("no block of free ports found")
+
+
+def processes_mentioning(text: str) -> list[int]:
+    pids = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit() or int(proc.name) == os.getpid():
+            continue
+        try:
+            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            state = (proc / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if text in cmdline and state != "Z":
+            pids.append(int(proc.name))
+    return pids
+
+
+@pytest.fixture
+def no_leftover_servers(tmp_path):
+    """Fails the test if any process launched with a path under tmp_path is still running afterwards."""
+    yield
+    import signal
+    import time
+
+    deadline = time.monotonic() + 5
+    while (left := processes_mentioning(str(tmp_path))) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    assert not left, f"processes left running after the test: {left}"
+
+
+@pytest.fixture
+def run_params(tmp_path):
+    """Params for a small, fast emulated run inside tmp_path; tests override what they exercise."""
+    from dflash_regen.config import DEFAULTS
+
+    def make(num_servers: int = 7, **overrides) -> dict:
+        params = {
+            **DEFAULTS,
+            "model_source_dir": "demo",
+            "staging_dir": str(tmp_path / "shm" / "model"),
+            "server_command": "emulator",
+            "num_servers": num_servers,
+            "base_port": free_port_block(num_servers),
+            "ready_timeout_s": 60.0,
+            "smoke_timeout_s": 60.0,
+            "output_root": str(tmp_path / "out"),
+            "emulator_profile": dict(FAST_PROFILE),
+            "emulator_faults": {},
+        }
+        params.update(overrides)
+        return params
+
+    return make

@@ -1,0 +1,53 @@
+from dflash_regen.probes import Allocation, binding_resource, parse_startup_log
+
+SEED_LOG = """\
+[2026-05-01 12:00:01] Load weight end. elapsed=20.11 s, type=Qwen3_5ForConditionalGeneration, avail mem=120.00 GB
+[2026-05-01 12:00:02] Mamba Cache is allocated. max_mamba_cache_size: 80, conv_state size: 0.40GB, ssm_state size: 40.00GB
+[2026-05-01 12:00:02] KV Cache is allocated. #tokens: 1144000, K size: 17.50 GB, V size: 17.50 GB
+[2026-05-01 12:00:02] KV Cache is allocated. #tokens: 1144000, K size: 1.09 GB, V size: 1.09 GB
+[2026-05-01 12:00:03] max_total_num_tokens=1144000, chunked_prefill_size=8192, max_prefill_tokens=16384, \
+max_running_requests=16, context_len=262144, available_gpu_mem=20.00 GB
+"""
+
+
+def seed_allocation(**changes):
+    base = dict(kv_tokens=1_144_000, running_slots=16, max_running_requests=48, mamba_slots=80, kv_cache_gb=35.0,
+                radix_cache=True, mamba_strategy="extra_buffer")
+    return Allocation(**{**base, **changes})
+
+
+def test_startup_log_figures_take_the_target_models_kv_pool():
+    figures = parse_startup_log(SEED_LOG)
+    assert figures == {"kv_tokens": 1_144_000, "kv_cache_gb": 35.0, "mamba_slots": 80, "running_slots": 16,
+                       "context_len": 262144}
+
+
+def test_log_prefix_with_rank_tags_still_parses():
+    line = "[2026-05-01 12:00:02 TP0] KV Cache is allocated. #tokens: 5000, KV size: 1.50 GB"
+    assert parse_startup_log(line) == {"kv_tokens": 5000, "kv_cache_gb": 1.5}
+
+
+def test_seed_node_is_mamba_bound_and_the_advice_names_the_flags():
+    capacity, binding, advice = binding_resource(seed_allocation(), request_tokens=2420)
+    assert capacity == 472
+    assert binding == "Mamba slots (80 // 5 = 16)"
+    assert "--max-mamba-cache-size 160 --max-running-requests 32" in advice
+
+
+def test_small_kv_cache_binds_before_slots():
+    capacity, binding, advice = binding_resource(seed_allocation(kv_tokens=20_000), request_tokens=2420)
+    assert (capacity, binding) == (8, "KV tokens")
+    assert "--mem-fraction-static" in advice
+
+
+def test_running_request_cap_binds_when_mamba_slots_are_plentiful():
+    _, binding, advice = binding_resource(seed_allocation(running_slots=48, mamba_slots=400), request_tokens=2420)
+    assert binding == "--max-running-requests=48"
+    assert "raise --max-running-requests" in advice
+
+
+def test_allocation_reads_sglang_server_info_shape():
+    info = {"max_total_num_tokens": 1_144_000, "max_running_requests": 48, "max_mamba_cache_size": 80,
+            "disable_radix_cache": False, "mamba_scheduler_strategy": "extra_buffer",
+            "internal_states": [{"effective_max_running_requests_per_dp": 16, "memory_usage": {"kvcache": 35.0}}]}
+    assert Allocation.from_server_info(info) == seed_allocation()
