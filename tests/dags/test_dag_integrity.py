@@ -1,0 +1,78 @@
+"""The DAG folder parses with no connections, variables, GPU or servers, and the wiring keeps its promises."""
+
+import copy
+from pathlib import Path
+
+import pytest
+from airflow.dag_processing.dagbag import DagBag
+from airflow.sdk.exceptions import ParamValidationError
+
+from dflash_regen.config import RunConfig
+
+ROOT = Path(__file__).resolve().parents[2]
+
+EXPECTED_TASKS = {"stage_weights", "launch_fleet", "health_check", "smoke_test", "stop_fleet"}
+
+
+@pytest.fixture(scope="module")
+def dagbag():
+    return DagBag(dag_folder=str(ROOT / "dags"))
+
+
+@pytest.fixture(scope="module")
+def dag(dagbag):
+    return dagbag.dags["dflash_regen"]
+
+
+def test_dag_folder_imports_without_errors(dagbag):
+    assert dagbag.import_errors == {}
+    assert list(dagbag.dags) == ["dflash_regen"]
+
+
+def test_expected_tasks_in_pipeline_order_without_cycles(dag):
+    assert {t.task_id for t in dag.tasks} == EXPECTED_TASKS
+    order = [t.task_id for t in dag.topological_sort()]  # raises on a cycle
+    assert order.index("stage_weights") < order.index("launch_fleet") < order.index("health_check") \
+        < order.index("smoke_test") < order.index("stop_fleet")
+
+
+def test_fleet_gates_are_setup_tasks_and_stop_is_the_teardown(dag):
+    """Clearing a later task re-runs setups, not ordinary upstream tasks: the gates must be setups."""
+    tasks = {t.task_id: t for t in dag.tasks}
+    assert all(tasks[t].is_setup for t in ("launch_fleet", "health_check", "smoke_test"))
+    assert not tasks["stage_weights"].is_setup
+    stop = tasks["stop_fleet"]
+    assert stop.is_teardown
+    assert {"launch_fleet", "smoke_test"} <= stop.upstream_task_ids
+    assert stop.trigger_rule == "all_done_setup_success"
+
+
+def test_policy_no_catchup_single_active_run_gates_not_retried(dag):
+    assert dag.catchup is False and dag.schedule is None and dag.max_active_runs == 1
+    tasks = {t.task_id: t for t in dag.tasks}
+    assert tasks["launch_fleet"].retries >= 1
+    assert tasks["health_check"].retries == 0 and tasks["smoke_test"].retries == 0  # a retry cannot fix a gate
+
+
+def test_param_defaults_validate_and_build_a_run_config(dag):
+    values = dag.params.validate()
+    cfg = RunConfig.from_params(values, "manual__1")
+    assert cfg.fleet.num_servers == 7 and cfg.sampling.max_tokens >= 4096
+
+
+def test_every_param_has_a_title_and_a_section(dag):
+    for name in dag.params:
+        schema = dag.params.get_param(name).schema
+        assert schema.get("title"), name
+        assert schema.get("section"), name
+
+
+@pytest.mark.parametrize(("name", "value", "message"), [
+    ("num_servers", 99, "99 is greater than the maximum of 64"),
+    ("gpu_ids", "0;1", "does not match"),
+    ("output_root", "relative", "does not match"),
+])
+def test_trigger_form_rejects_bad_values(dag, name, value, message):
+    params = copy.deepcopy(dag.params)
+    with pytest.raises(ParamValidationError, match=message):
+        params[name] = value
