@@ -2,7 +2,7 @@ from dflash_regen.probes import Allocation, binding_resource, parse_startup_log
 
 SEED_LOG = """\
 [2026-05-01 12:00:01] Load weight end. elapsed=20.11 s, type=Qwen3_5ForConditionalGeneration, avail mem=120.00 GB
-[2026-05-01 12:00:02] Mamba Cache is allocated. max_mamba_cache_size: 80, conv_state size: 0.40GB, ssm_state size: 40.00GB
+[2026-05-01 12:00:02] Mamba Cache is allocated. max_mamba_cache_size: 80, conv_state size: 0.40GB, ssm_state size: 40GB
 [2026-05-01 12:00:02] KV Cache is allocated. #tokens: 1144000, K size: 17.50 GB, V size: 17.50 GB
 [2026-05-01 12:00:02] KV Cache is allocated. #tokens: 1144000, K size: 1.09 GB, V size: 1.09 GB
 [2026-05-01 12:00:03] max_total_num_tokens=1144000, chunked_prefill_size=8192, max_prefill_tokens=16384, \

@@ -1,5 +1,4 @@
 import pytest
-
 from dflash_regen.config import SamplingConfig
 from dflash_regen.smoke import PROMPTS, judge
 

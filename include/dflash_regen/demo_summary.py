@@ -1,0 +1,52 @@
+"""Print what the demo run did, from the run folder's reports (used by scripts/demo.sh).
+
+python -m dflash_regen.demo_summary <output_root> <airflow log> <exit code>
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+
+def latest_run(output_root: Path) -> Path | None:
+    runs = [p for p in (output_root / "runs").glob("*") if p.is_dir()]
+    return max(runs, key=lambda p: p.stat().st_mtime) if runs else None
+
+
+def summarize(output_root: Path, log_path: Path, rc: int) -> str:
+    lines = []
+    run = latest_run(output_root)
+    if run is None:
+        lines.append(f"no run folder under {output_root}/runs")
+    else:
+        lines.append(f"run folder: {run}")
+        reports = run / "reports"
+        for name in ("staging", "health", "smoke"):
+            path = reports / f"{name}.json"
+            if not path.is_file():
+                lines.append(f"  {name:<8} (no report)")
+                continue
+            report = json.loads(path.read_text())
+            if name == "staging":
+                lines.append(f"  staging  {report['files']} files, {report['copied_files']} copied, "
+                             f"{report['mb_per_s']} MB/s")
+            elif "servers" in report:
+                verdict = "passed" if report.get("passed") else "FAILED"
+                lines.append(f"  {name:<8} {verdict} on {len(report['servers'])} servers")
+            else:
+                lines.append(f"  {name:<8} FAILED: {report.get('error', '').splitlines()[0]}")
+        lines.append(f"  server logs: {run / 'fleet'}")
+    if rc != 0:
+        text = log_path.read_text(errors="replace").splitlines() if log_path.is_file() else []
+        errors = [line for line in text if "ERROR" in line or "Exception:" in line or "Failed:" in line]
+        lines.append(f"demo FAILED (exit {rc}); log: {log_path}")
+        lines.extend("  " + line[:300] for line in errors[-8:])
+    else:
+        lines.append("demo passed: stage -> launch -> health -> smoke -> stop, all green")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(summarize(Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3])))

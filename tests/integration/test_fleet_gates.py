@@ -1,0 +1,146 @@
+"""The fleet launcher and both gates against real emulator processes (launched like real SGLang)."""
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+import requests
+from dflash_regen import fleet, probes, smoke
+from dflash_regen.config import RunConfig
+from dflash_regen.demo_model import write_demo_model
+from dflash_regen.errors import FleetError, GateFailed
+
+
+@pytest.fixture
+def launch(run_params, tmp_path, no_leftover_servers):
+    """Launch an emulated fleet from Params overrides; always stopped afterwards."""
+    fleet_dirs = []
+    model = write_demo_model(tmp_path / "model")
+
+    def start(num_servers=7, **overrides):
+        cfg = RunConfig.from_params(run_params(num_servers, **overrides), "test_run")
+        fleet_dirs.append(cfg.fleet_dir)
+        servers = fleet.launch_fleet(cfg.fleet, model, cfg.fleet_dir)
+        return cfg, servers, fleet.read_api_key(cfg.fleet_dir)
+
+    yield start
+    for d in fleet_dirs:
+        fleet.stop_fleet(d)
+
+
+def test_healthy_fleet_passes_both_gates_and_stops_cleanly(launch):
+    cfg, servers, key = launch()
+    assert [s.port for s in servers] == [cfg.fleet.base_port + i for i in range(7)]
+    health = probes.health_gate(servers, key, cfg.fleet)
+    assert health["total_running_slots"] == 7 * 16
+    first = health["servers"][0]
+    assert first["allocation"]["mamba_slots"] == 80 and first["binding"].startswith("Mamba slots (80 // 5")
+    assert "--max-mamba-cache-size 160" in first["advice"]
+    assert first["log_figures"]["kv_tokens"] == first["allocation"]["kv_tokens"]
+    report = smoke.smoke_gate(servers, key, cfg.sampling, cfg.fleet.served_model_name)
+    assert report["passed"] and len(report["servers"]) == 7
+    tool = [r for s in report["servers"] for r in s["results"] if r["prompt"] == "tool_call"]
+    assert all(r["tool_calls"] == 1 and r["finish_reason"] == "tool_calls" for r in tool)
+    stopped = fleet.stop_fleet(cfg.fleet_dir)
+    assert len(stopped) == 7
+    assert fleet.stop_fleet(cfg.fleet_dir) == []  # idempotent
+
+
+def test_one_server_with_low_allocation_fails_health_naming_only_it(launch):
+    cfg, servers, key = launch(emulator_faults={"3": {"kv_tokens": 200_000}})
+    with pytest.raises(GateFailed) as info:
+        probes.health_gate(servers, key, cfg.fleet)
+    msg = str(info.value)
+    assert "failed on 1 of 7 servers" in msg
+    assert f"server 3 (GPU 3, 127.0.0.1:{cfg.fleet.base_port + 3})" in msg
+    assert "only 200,000 KV tokens allocated (minimum 1,000,000)" in msg
+    assert "server 2 " not in msg and "server 4 " not in msg
+
+
+def test_low_running_slots_fail_with_the_flags_that_raise_them(launch):
+    cfg, servers, key = launch(num_servers=2, min_running_requests=32)
+    with pytest.raises(GateFailed) as info:
+        probes.health_gate(servers, key, cfg.fleet)
+    assert "only 16 running-request slots (minimum 32)" in str(info.value)
+    assert "--max-mamba-cache-size 160 --max-running-requests 32" in str(info.value)
+
+
+def test_one_server_with_empty_content_fails_smoke_naming_it(launch):
+    cfg, servers, key = launch(emulator_faults={"5": {"empty_content": True}})
+    probes.health_gate(servers, key, cfg.fleet)  # it is up and well allocated: only smoke can catch it
+    with pytest.raises(GateFailed) as info:
+        smoke.smoke_gate(servers, key, cfg.sampling, cfg.fleet.served_model_name)
+    msg = str(info.value)
+    assert "failed on 1 of 7 servers" in msg
+    assert f"server 5 (GPU 5, 127.0.0.1:{cfg.fleet.base_port + 5}) [coding]: reasoning only" in msg
+
+
+def test_the_seeds_512_max_tokens_fails_smoke_with_the_raise_hint(launch):
+    cfg, servers, key = launch(num_servers=2, max_tokens=512)
+    with pytest.raises(GateFailed) as info:
+        smoke.smoke_gate(servers, key, cfg.sampling, cfg.fleet.served_model_name)
+    msg = str(info.value)
+    assert "failed on 2 of 2 servers" in msg
+    assert "[coding]: ran out of tokens inside its reasoning: finish_reason 'length' after 512 completion " \
+           "tokens (512 reasoning, 0 chars of content) at max_tokens=512; raise Param max_tokens" in msg
+
+
+def test_a_server_that_crashes_at_start_fails_launch_with_its_log_tail(launch, run_params):
+    with pytest.raises(FleetError) as info:
+        launch(num_servers=3, emulator_faults={"1": {"crash_at_start": True}})
+    msg = str(info.value)
+    assert "server 1 (GPU 1" in msg and "exited with code 1" in msg
+    assert "Traceback" in msg and "last lines" in msg
+    # no_leftover_servers checks that servers 0 and 2 were stopped by the failed launch
+
+
+def test_unready_server_times_out_with_its_log(launch):
+    with pytest.raises(FleetError) as info:
+        launch(num_servers=1, ready_timeout_s=1.0, emulator_faults={"0": {"start_delay_s": 30}})
+    assert "not ready after 1 s" in str(info.value) and "ready_timeout_s" in str(info.value)
+
+
+def test_port_in_use_fails_preflight_before_launching(launch, run_params):
+    params = run_params(2)
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", params["base_port"] + 1))
+        busy.listen()
+        with pytest.raises(FleetError, match=rf"port {params['base_port'] + 1} on 127.0.0.1 is already in use"):
+            launch(num_servers=2, base_port=params["base_port"])
+
+
+def test_api_key_is_required_and_never_written_to_specs_or_log_tails(launch):
+    cfg, servers, key = launch(num_servers=1)
+    url = servers[0].url
+    assert requests.get(f"{url}/v1/models", timeout=5).status_code == 401
+    assert requests.get(f"{url}/v1/models", timeout=5, headers={"Authorization": f"Bearer {key}"}).ok
+    spec = (cfg.fleet_dir / "server-0.json").read_text()
+    assert key not in spec and fleet.REDACTED in json.loads(spec)["argv"]
+    assert key not in fleet.log_tail(servers[0].log_path, key, lines=1000)
+    assert (cfg.fleet_dir / "api_key").stat().st_mode & 0o077 == 0
+
+
+def test_relaunch_of_the_same_run_stops_leftovers_first(launch, tmp_path):
+    cfg, first, _ = launch(num_servers=2)
+    again = fleet.launch_fleet(cfg.fleet, tmp_path / "model", cfg.fleet_dir)
+    assert {s.pid for s in again}.isdisjoint({s.pid for s in first})
+    assert not any(fleet._alive(s) for s in first)
+
+
+def test_stop_never_kills_a_recycled_pid(tmp_path):
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
+    try:
+        impostor = fleet.Server(0, "0", "127.0.0.1", 1, [], str(tmp_path / "log"), pid=proc.pid,
+                                start_ticks=fleet._start_ticks(proc.pid) + 1)
+        assert fleet.stop_servers([impostor]) == []
+        time.sleep(0.2)
+        assert proc.poll() is None
+        real = fleet.Server(**{**impostor.__dict__, "start_ticks": fleet._start_ticks(proc.pid)})
+        assert len(fleet.stop_servers([real])) == 1
+        assert proc.wait(5) is not None
+    finally:
+        proc.kill()
