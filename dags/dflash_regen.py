@@ -15,6 +15,7 @@ from __future__ import annotations
 import datetime as dt
 
 from airflow.sdk import Param, dag, setup, task, teardown
+
 from dflash_regen import dag_tasks
 from dflash_regen.config import DEFAULTS as D
 

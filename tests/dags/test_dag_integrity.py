@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 from airflow.dag_processing.dagbag import DagBag
 from airflow.sdk.exceptions import ParamValidationError
+
 from dflash_regen.config import RunConfig
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -7,6 +7,7 @@ import time
 
 import pytest
 import requests
+
 from dflash_regen import fleet, probes, smoke
 from dflash_regen.config import RunConfig
 from dflash_regen.demo_model import write_demo_model

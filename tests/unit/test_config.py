@@ -1,6 +1,7 @@
 import sys
 
 import pytest
+
 from dflash_regen.config import COOKBOOK_FLAGS, DEFAULTS, RunConfig, merge_flags, parse_flags, safe_run_id
 from dflash_regen.errors import ConfigError
 

@@ -38,9 +38,11 @@ def test_unchanged_input_reuses_the_recorded_plan(tmp_path):
 
 
 def test_bad_duplicate_and_over_long_rows_are_quarantined_and_counts_reconcile(tmp_path):
-    rows = [user("ok", id="a"), user("dup", id="a"), "{broken", user(" ".join(f"w{i}" for i in range(4000)), id="long"), user("fine")]
+    long_text = " ".join(f"w{i}" for i in range(4000))
+    rows = [user("ok", id="a"), user("dup", id="a"), "{broken", user(long_text, id="long"), user("fine")]
     src = write_rows(tmp_path / "p.jsonl", rows)
-    plan = plan_shards(src, tmp_path / "shards", tmp_path / "q.parquet", SETTINGS)
+    lenient = PlanSettings(shard_size=3, max_tokens=1000, context_length=4096, max_bad_share=0.9)
+    plan = plan_shards(src, tmp_path / "shards", tmp_path / "q.parquet", lenient)
     q = pq.read_table(tmp_path / "q.parquet").to_pylist()
     assert {r["reason"] for r in q} == {"duplicate_id", "not_json", "too_long"}
     assert [r["location"] for r in q] == ["p.jsonl:2", "p.jsonl:3", "p.jsonl:4"]

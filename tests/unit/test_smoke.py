@@ -1,4 +1,5 @@
 import pytest
+
 from dflash_regen.config import SamplingConfig
 from dflash_regen.smoke import PROMPTS, judge
 

@@ -3,6 +3,7 @@ import json
 import shutil
 
 import pytest
+
 from dflash_regen import staging
 from dflash_regen.demo_model import write_demo_model
 from dflash_regen.errors import StagingError
