@@ -4,22 +4,29 @@
 Stages the weights to the RAM disk, launches one SGLang server per GPU and proves **every** server is
 fit before any real work: enough KV tokens and running-request slots (`health_check`), and real answers —
 not reasoning only, not truncated, tool calls parsed — to representative prompts at the production
-`max_tokens` (`smoke_test`). The fleet is always stopped at the end.
+`max_tokens` (`smoke_test`). Meanwhile `plan_shards` validates the prompts (bad rows are quarantined with a
+reason) and writes ~1,000-prompt shards; `generate` completes each shard on one leased server, resumably.
+The fleet is always stopped at the end.
 
-The gates are setup tasks: clearing a later task re-launches and re-checks the fleet before it runs.
+The gates are setup tasks: clearing one failed `generate` shard re-launches and re-checks the fleet, then
+sends only that shard's missing samples.
 Reports land in `<output_root>/runs/<run_id>/reports/`. The demo defaults run on the SGLang emulator.
 """
 
 from __future__ import annotations
 
 import datetime as dt
+import os
 
 from airflow.sdk import Param, dag, setup, task, teardown
 
 from dflash_regen import dag_tasks
 from dflash_regen.config import DEFAULTS as D
 
-FLEET, GATES, SAMPLING, OUTPUT, EMULATOR = "Fleet", "Fleet gates", "Sampling", "Output", "Emulator (demo and tests)"
+FLEET, GATES, PROMPTS, SAMPLING, DISPATCH, OUTPUT, EMULATOR = (
+    "Fleet", "Fleet gates", "Prompts", "Sampling", "Dispatch", "Output", "Emulator (demo and tests)")
+# Shard tasks running at once; each leases one server, so more than the fleet size would only wait.
+PARALLEL_SHARDS = int(os.environ.get("DFLASH_PARALLEL_SHARDS", "7"))
 
 PARAMS = {
     "model_source_dir": Param(D["model_source_dir"], type="string", minLength=1, section=FLEET,
@@ -59,12 +66,43 @@ PARAMS = {
                                     title="Expected mean output tokens", description="The seed's run: ~1,820."),
     "smoke_timeout_s": Param(D["smoke_timeout_s"], type="number", minimum=1, section=GATES,
                              title="Smoke request timeout (s)"),
+    "prompt_source": Param(D["prompt_source"], type="string", minLength=1, section=PROMPTS, title="Prompt source",
+                           description="A .jsonl, .jsonl.gz or .parquet file or a directory of them (absolute "
+                                       "path), or 'demo' for the built-in sample prompts."),
+    "shard_size": Param(D["shard_size"], type="integer", minimum=1, section=PROMPTS, title="Prompts per shard",
+                        description="~1,000 keeps a shard's retry under ~10 minutes on a B200 server."),
+    "context_length": Param(D["context_length"], type="integer", minimum=256, section=PROMPTS,
+                            title="Context length", description="Prompt + max_tokens must fit; longer rows are "
+                                                                "quarantined."),
+    "max_bad_row_share": Param(D["max_bad_row_share"], type="number", minimum=0, maximum=1, section=PROMPTS,
+                               title="Max share of bad rows", description="Planning fails above it."),
     "max_tokens": Param(D["max_tokens"], type="integer", minimum=16, maximum=1_000_000, section=SAMPLING,
                         title="max_tokens", description="Production budget for reasoning + answer. 512 left the "
                                                         "seed's answers empty; thinking needs >= 4096."),
     "temperature": Param(D["temperature"], type="number", minimum=0, maximum=2, section=SAMPLING, title="Temperature"),
     "top_p": Param(D["top_p"], type="number", exclusiveMinimum=0, maximum=1, section=SAMPLING, title="top_p"),
     "enable_thinking": Param(D["enable_thinking"], type="boolean", section=SAMPLING, title="Thinking mode"),
+    "seed": Param(D["seed"], type="integer", minimum=0, section=SAMPLING, title="Run seed",
+                  description="Each sample's seed is derived from it and the sample id (reproducible)."),
+    "regenerate_history": Param(D["regenerate_history"], type="boolean", section=SAMPLING,
+                                title="Regenerate every assistant turn",
+                                description="Multi-turn prompts: regenerate earlier assistant turns too, feeding "
+                                            "back the model's own answers (as SpecForge does)."),
+    "retry_truncated": Param(D["retry_truncated"], type="boolean", section=SAMPLING,
+                             title="Retry truncated/empty once with 2x max_tokens"),
+    "concurrency_per_server": Param(D["concurrency_per_server"], type="integer", minimum=0, section=DISPATCH,
+                                    title="Requests in flight per server",
+                                    description="0 = the server's running-request slots."),
+    "stall_timeout_s": Param(D["stall_timeout_s"], type="number", minimum=1, section=DISPATCH,
+                             title="Stall timeout (s)", description="A stream silent this long is a failure."),
+    "request_cap_s": Param(D["request_cap_s"], type="number", minimum=1, section=DISPATCH,
+                           title="Overall request cap (s)"),
+    "request_retries": Param(D["request_retries"], type="integer", minimum=0, section=DISPATCH,
+                             title="Retries per request", description="For resets, 5xx and stalls."),
+    "checkpoint_every": Param(D["checkpoint_every"], type="integer", minimum=1, section=DISPATCH,
+                              title="Checkpoint every N results"),
+    "checkpoint_s": Param(D["checkpoint_s"], type="number", minimum=0.1, section=DISPATCH,
+                          title="Checkpoint every T seconds"),
     "output_root": Param(D["output_root"], type="string", pattern="^/", section=OUTPUT, title="Output root",
                          description="Absolute path; runs go to <output root>/runs/<run id>/."),
     "emulator_faults": Param(D["emulator_faults"], type="object", section=EMULATOR, title="Emulator faults",
@@ -105,6 +143,16 @@ def dflash_regen():
     def smoke_test(fleet: dict, health: dict, params=None, run_id=None) -> dict:
         return dag_tasks.smoke_test(params, run_id)
 
+    @task
+    def plan_shards(params=None, run_id=None) -> list[dict]:
+        return dag_tasks.plan_shards(params, run_id)
+
+    @task(retries=3, retry_delay=dt.timedelta(seconds=5), retry_exponential_backoff=2.0,
+          max_retry_delay=dt.timedelta(minutes=2), max_active_tis_per_dagrun=PARALLEL_SHARDS,
+          map_index_template="{{ shard.label }}")
+    def generate(shard: dict, params=None, run_id=None) -> dict:
+        return dag_tasks.generate(params, run_id, shard)
+
     @teardown
     @task
     def stop_fleet(fleet: dict, params=None, run_id=None) -> list[str]:
@@ -112,7 +160,9 @@ def dflash_regen():
 
     fleet = launch_fleet(stage_weights())
     checked = smoke_test(fleet, health_check(fleet))
-    checked >> stop_fleet(fleet)
+    shards = plan_shards()  # runs while the servers load: it needs no GPU
+    generated = generate.expand(shard=shards)
+    checked >> generated >> stop_fleet(fleet)
 
 
 dflash_regen()

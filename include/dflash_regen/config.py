@@ -20,6 +20,7 @@ from dflash_regen.errors import ConfigError
 
 EMULATOR = "emulator"
 DEMO_MODEL = "demo"
+DEMO_PROMPTS = "demo"
 
 # Qwen3.6-27B with MTP as SGLang's cookbook launches it (notes/sglang-api.md §1.1). Every flag can be
 # overridden or extended by the `server_flags` Param.
@@ -58,6 +59,19 @@ DEFAULTS: dict[str, Any] = {
     "top_p": 0.95,
     "enable_thinking": True,
     "smoke_timeout_s": 1800.0,
+    "prompt_source": os.environ.get("DFLASH_PROMPT_SOURCE", DEMO_PROMPTS),
+    "shard_size": 1000,
+    "context_length": 262144,
+    "max_bad_row_share": 0.05,
+    "seed": 0,
+    "concurrency_per_server": 0,
+    "stall_timeout_s": 300.0,
+    "request_cap_s": 7200.0,
+    "request_retries": 4,
+    "retry_truncated": False,
+    "regenerate_history": False,
+    "checkpoint_every": 50,
+    "checkpoint_s": 30.0,
     "output_root": os.environ.get("DFLASH_OUTPUT_ROOT", str(Path.home() / "dflash-regen")),
     "emulator_faults": {},
     "emulator_profile": {},
@@ -96,6 +110,17 @@ def _str(params: dict, name: str, *, allow_empty: bool = False) -> str:
     if not isinstance(value, str) or (not allow_empty and not value.strip()):
         raise _fail(name, value, "must be a non-empty string")
     return value.strip()
+
+
+def _bool(params: dict, name: str) -> bool:
+    value = params.get(name)
+    if not isinstance(value, bool):
+        raise _fail(name, value, "must be true or false")
+    return value
+
+
+def _flag_value(argv: list[str], flag: str) -> str:
+    return argv[argv.index(flag) + 1] if flag in argv[:-1] else ""
 
 
 def split_command(text: str, name: str = "server_command") -> list[str]:
@@ -177,6 +202,34 @@ class FleetConfig:
 
 
 @dataclass(frozen=True)
+class PlanSettings:
+    shard_size: int
+    max_tokens: int
+    context_length: int
+    max_bad_share: float
+
+
+@dataclass(frozen=True)
+class GenerationSettings:
+    max_tokens: int
+    temperature: float
+    top_p: float
+    enable_thinking: bool
+    seed: int
+    in_flight: int  # 0 = the server's effective running-request slots
+    stall_s: float
+    request_cap_s: float
+    request_retries: int
+    retry_truncated: bool
+    regenerate_history: bool
+    checkpoint_every: int
+    checkpoint_s: float
+    progress_s: float
+    served_model: str
+    reasoning_parser: str
+
+
+@dataclass(frozen=True)
 class SamplingConfig:
     max_tokens: int
     temperature: float
@@ -193,6 +246,9 @@ class RunConfig:
     staging_dir: Path
     fleet: FleetConfig
     sampling: SamplingConfig
+    prompt_source: str  # a file or directory, or "demo" for the generated demo prompts
+    plan: PlanSettings
+    generation: GenerationSettings
     params: dict = field(repr=False, compare=False, default_factory=dict)
 
     @property
@@ -272,9 +328,7 @@ class RunConfig:
             expected_prompt_tokens=_int(params, "expected_prompt_tokens", 1, 10**7),
             expected_output_tokens=_int(params, "expected_output_tokens", 1, 10**7),
         )
-        enable_thinking = params.get("enable_thinking")
-        if not isinstance(enable_thinking, bool):
-            raise _fail("enable_thinking", enable_thinking, "must be true or false")
+        enable_thinking = _bool(params, "enable_thinking")
         sampling = SamplingConfig(
             max_tokens=_int(params, "max_tokens", 16, 1_000_000),
             temperature=_float(params, "temperature", 0.0, 2.0),
@@ -282,5 +336,30 @@ class RunConfig:
             enable_thinking=enable_thinking,
             smoke_timeout_s=_float(params, "smoke_timeout_s", 1, 86_400),
         )
+        prompt_source = _str(params, "prompt_source")
+        if prompt_source != DEMO_PROMPTS and not Path(prompt_source).is_absolute():
+            raise _fail("prompt_source", prompt_source, f"must be an absolute path or {DEMO_PROMPTS!r}")
+        plan = PlanSettings(
+            shard_size=_int(params, "shard_size", 1, 1_000_000),
+            max_tokens=sampling.max_tokens,
+            context_length=_int(params, "context_length", 256, 10_000_000),
+            max_bad_share=_float(params, "max_bad_row_share", 0.0, 1.0),
+        )
+        if plan.max_tokens >= plan.context_length:
+            raise _fail("max_tokens", plan.max_tokens, f"must be below context_length {plan.context_length:,}")
+        generation = GenerationSettings(
+            max_tokens=sampling.max_tokens, temperature=sampling.temperature, top_p=sampling.top_p,
+            enable_thinking=sampling.enable_thinking, seed=_int(params, "seed", 0, 2**31 - 1),
+            in_flight=_int(params, "concurrency_per_server", 0, 4096),
+            stall_s=_float(params, "stall_timeout_s", 1, 86_400),
+            request_cap_s=_float(params, "request_cap_s", 1, 7 * 86_400),
+            request_retries=_int(params, "request_retries", 0, 100),
+            retry_truncated=_bool(params, "retry_truncated"),
+            regenerate_history=_bool(params, "regenerate_history"),
+            checkpoint_every=_int(params, "checkpoint_every", 1, 1_000_000),
+            checkpoint_s=_float(params, "checkpoint_s", 0.1, 86_400),
+            progress_s=30.0, served_model=served, reasoning_parser=_flag_value(flags, "--reasoning-parser"),
+        )
         return cls(run_id=safe_run_id(run_id), output_root=output_root, model_source=model_source,
-                   staging_dir=staging_dir, fleet=fleet, sampling=sampling, params=dict(params))
+                   staging_dir=staging_dir, fleet=fleet, sampling=sampling, prompt_source=prompt_source,
+                   plan=plan, generation=generation, params=dict(params))

@@ -16,10 +16,12 @@ from pathlib import Path
 
 from airflow.sdk.exceptions import AirflowFailException
 
-from dflash_regen import fleet, probes, smoke, staging
-from dflash_regen.config import DEMO_MODEL, RunConfig
+from dflash_regen import fleet, generation, planning, probes, smoke, staging
+from dflash_regen.config import DEMO_MODEL, DEMO_PROMPTS, RunConfig
 from dflash_regen.demo_model import write_demo_model
+from dflash_regen.demo_prompts import write_demo_prompts
 from dflash_regen.errors import ConfigError, GateFailed, StagingError
+from dflash_regen.prompts import PromptSourceError
 
 log = logging.getLogger(__name__)
 
@@ -29,7 +31,7 @@ def fail_fast(fn):
     def wrapper(*args, **kwargs):
         try:
             return fn(*args, **kwargs)
-        except (ConfigError, GateFailed, StagingError) as exc:
+        except (ConfigError, GateFailed, StagingError, PromptSourceError) as exc:
             raise AirflowFailException(f"{type(exc).__name__}: {exc}") from exc
 
     return wrapper
@@ -101,3 +103,30 @@ def smoke_test(params: dict, run_id: str) -> dict:
 def stop_fleet(params: dict, run_id: str) -> list[str]:
     cfg = RunConfig.from_params(params, run_id)
     return fleet.stop_fleet(cfg.fleet_dir)
+
+
+@fail_fast
+def plan_shards(params: dict, run_id: str) -> list[dict]:
+    """Shard descriptors for `generate.expand()`: small dicts, never the prompts themselves."""
+    cfg = RunConfig.from_params(params, run_id)
+    source = Path(cfg.prompt_source)
+    if cfg.prompt_source == DEMO_PROMPTS:
+        source = write_demo_prompts(cfg.output_root / "demo-prompts" / "prompts.jsonl")
+    plan = planning.plan_shards(source, cfg.run_dir / "shards", cfg.run_dir / "failures" / "plan.parquet",
+                                cfg.plan)
+    write_report(cfg, "plan", {k: v for k, v in plan.items() if k != "shards"} | {"shards": len(plan["shards"])})
+    return [{**s, "run_prompts": plan["accepted"]} for s in plan["shards"]]
+
+
+def generate(params: dict, run_id: str, shard: dict) -> dict:
+    cfg = RunConfig.from_params(params, run_id)
+    servers = fleet.load_servers(cfg.fleet_dir)
+    key = fleet.read_api_key(cfg.fleet_dir)
+    paths = generation.ShardPaths.of(cfg.run_dir, shard["shard"], Path(shard["path"]))
+    lease = generation.lease_server(cfg.fleet_dir, servers, shard["shard"], wait_s=cfg.fleet.ready_timeout_s)
+    try:
+        healthy = len(generation.healthy_servers(cfg.fleet_dir, servers))
+        return generation.generate_shard(paths, lease, key, cfg.generation, fleet_dir=cfg.fleet_dir,
+                                         run_prompts=shard.get("run_prompts"), servers_sharing=healthy)
+    finally:
+        lease.release()

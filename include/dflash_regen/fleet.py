@@ -187,7 +187,7 @@ def _start_ticks(pid: int) -> int:
     return int(stat.rsplit(")", 1)[1].split()[19])
 
 
-def _alive(server: Server) -> bool:
+def is_alive(server: Server) -> bool:
     """True while the recorded process (same pid, same start time) exists and is not a zombie."""
     try:
         stat = Path(f"/proc/{server.pid}/stat").read_text()
@@ -235,7 +235,7 @@ def load_servers(fleet_dir: Path) -> list[Server]:
 def stop_servers(servers: list[Server], *, grace_s: float = 15.0) -> list[str]:
     """TERM each recorded process group, then KILL what is left; returns what was stopped."""
     stopped = []
-    live = [s for s in servers if s.pid and _alive(s)]
+    live = [s for s in servers if s.pid and is_alive(s)]
     for server in live:
         try:
             os.killpg(server.pid, signal.SIGTERM)
@@ -245,11 +245,11 @@ def stop_servers(servers: list[Server], *, grace_s: float = 15.0) -> list[str]:
     while time.monotonic() < deadline:
         for server in live:
             _reap(server.pid)
-        if not any(_alive(s) for s in live):
+        if not any(is_alive(s) for s in live):
             break
         time.sleep(0.1)
     for server in live:
-        if _alive(server):
+        if is_alive(server):
             log.warning("%s ignored SIGTERM for %.0f s: sending SIGKILL", server.name, grace_s)
             try:
                 os.killpg(server.pid, signal.SIGKILL)
@@ -258,7 +258,7 @@ def stop_servers(servers: list[Server], *, grace_s: float = 15.0) -> list[str]:
     for server in live:
         for _ in range(50):
             _reap(server.pid)
-            if not _alive(server):
+            if not is_alive(server):
                 break
             time.sleep(0.1)
         else:
@@ -276,6 +276,19 @@ def stop_fleet(fleet_dir: Path) -> list[str]:
     for line in stopped:
         log.info("stopped %s", line)
     return stopped
+
+
+def _unhealthy_path(fleet_dir: Path, index: int) -> Path:
+    return fleet_dir / f"unhealthy-{index}"
+
+
+def mark_unhealthy(fleet_dir: Path, server: Server, reason: str) -> None:
+    _unhealthy_path(fleet_dir, server.index).write_text(reason)
+    log.error("marked %s unhealthy: %s", server.name, reason)
+
+
+def healthy_servers(fleet_dir: Path, servers: list[Server]) -> list[Server]:
+    return [s for s in servers if is_alive(s) and not _unhealthy_path(fleet_dir, s.index).exists()]
 
 
 # ---------------------------------------------------------------------------------------------- readiness
@@ -323,6 +336,8 @@ def launch_fleet(cfg: FleetConfig, model_path: Path, fleet_dir: Path) -> list[Se
     leftovers = stop_fleet(fleet_dir)  # a re-run of this run's setup after a crash or a cleared shard
     if leftovers:
         log.warning("stopped %d servers left running by an earlier attempt of this run", len(leftovers))
+    for marker in fleet_dir.glob("unhealthy-*"):  # a fresh fleet starts healthy
+        marker.unlink()
     api_key = ensure_api_key(fleet_dir)
     planned = plan_servers(cfg, model_path, fleet_dir, api_key)
     preflight(cfg, planned, model_path)

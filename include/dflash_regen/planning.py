@@ -12,12 +12,12 @@ import hashlib
 import json
 import logging
 import os
-from dataclasses import dataclass
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from dflash_regen.config import PlanSettings
 from dflash_regen.errors import ConfigError
 from dflash_regen.prompts import Prompt, Rejection, iter_raw, parse_row, source_files
 
@@ -34,14 +34,6 @@ HEADER_TOKENS = 5
 
 class PlanFailed(ConfigError):
     """Too many bad rows, or nothing to plan: fix the input rather than retry."""
-
-
-@dataclass(frozen=True)
-class PlanSettings:
-    shard_size: int
-    max_tokens: int
-    context_length: int
-    max_bad_share: float
 
 
 def shard_label(index: int, prompts: int) -> str:

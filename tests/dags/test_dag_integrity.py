@@ -11,7 +11,8 @@ from dflash_regen.config import RunConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 
-EXPECTED_TASKS = {"stage_weights", "launch_fleet", "health_check", "smoke_test", "stop_fleet"}
+EXPECTED_TASKS = {"stage_weights", "launch_fleet", "health_check", "smoke_test", "plan_shards", "generate",
+                  "stop_fleet"}
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +34,16 @@ def test_expected_tasks_in_pipeline_order_without_cycles(dag):
     assert {t.task_id for t in dag.tasks} == EXPECTED_TASKS
     order = [t.task_id for t in dag.topological_sort()]  # raises on a cycle
     assert order.index("stage_weights") < order.index("launch_fleet") < order.index("health_check") \
-        < order.index("smoke_test") < order.index("stop_fleet")
+        < order.index("smoke_test") < order.index("generate") < order.index("stop_fleet")
+    assert order.index("plan_shards") < order.index("generate")
+
+
+def test_clearing_one_shard_reruns_the_fleet_setups_and_teardown_but_not_planning(dag):
+    generate = dag.get_task("generate")
+    relatives = {t.task_id for t in generate.get_upstreams_only_setups_and_teardowns()}
+    assert relatives == {"launch_fleet", "health_check", "smoke_test", "stop_fleet"}
+    assert generate.map_index_template == "{{ shard.label }}"
+    assert generate.retries >= 2 and generate.retry_exponential_backoff == 2.0
 
 
 def test_fleet_gates_are_setup_tasks_and_stop_is_the_teardown(dag):
@@ -43,7 +53,7 @@ def test_fleet_gates_are_setup_tasks_and_stop_is_the_teardown(dag):
     assert not tasks["stage_weights"].is_setup
     stop = tasks["stop_fleet"]
     assert stop.is_teardown
-    assert {"launch_fleet", "smoke_test"} <= stop.upstream_task_ids
+    assert {"launch_fleet", "generate"} <= stop.upstream_task_ids
     assert stop.trigger_rule == "all_done_setup_success"
 
 

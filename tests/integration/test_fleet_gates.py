@@ -129,7 +129,7 @@ def test_relaunch_of_the_same_run_stops_leftovers_first(launch, tmp_path):
     cfg, first, _ = launch(num_servers=2)
     again = fleet.launch_fleet(cfg.fleet, tmp_path / "model", cfg.fleet_dir)
     assert {s.pid for s in again}.isdisjoint({s.pid for s in first})
-    assert not any(fleet._alive(s) for s in first)
+    assert not any(fleet.is_alive(s) for s in first)
 
 
 def test_stop_never_kills_a_recycled_pid(tmp_path):

@@ -1,0 +1,68 @@
+"""The demo's prompt set, written by the project itself: coding, maths, multi-turn, tool calling, long prompts.
+
+Deterministic: the same call writes the same file, so demo runs and tests are reproducible.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from pathlib import Path
+
+CODING = ["Write a Python function to check if a number is prime.",
+          "Implement an LRU cache in Python without functools.",
+          "Write a SQL query that returns the second highest salary per department.",
+          "Explain and fix the bug: `for i in range(len(xs)): xs.remove(xs[i])`.",
+          "Write a Rust function that reverses the words of a sentence in place."]
+MATHS = ["What is the sum of the first 100 odd numbers? Show your reasoning.",
+         "Solve for x: 3x^2 - 12x + 9 = 0.",
+         "A train leaves at 9:40 and arrives at 13:05. How long is the trip in minutes?",
+         "Prove that the square root of 2 is irrational.",
+         "How many ways can 5 people sit around a round table?"]
+TOOLS = [{"type": "function", "function": {
+            "name": "get_weather", "description": "Current weather for a city.",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}},
+         {"type": "function", "function": {
+            "name": "search_flights", "description": "Find flights between two airports on a date.",
+            "parameters": {"type": "object", "properties": {"origin": {"type": "string"},
+                                                            "destination": {"type": "string"},
+                                                            "date": {"type": "string"}},
+                           "required": ["origin", "destination", "date"]}}}]
+TOOL_ASKS = ["What's the weather in Lisbon today?", "Find me a flight from SFO to JFK on 2026-12-24.",
+             "Is it raining in Tokyo right now?"]
+
+
+def demo_rows(n: int = 120, seed: int = 0) -> list[dict]:
+    rng = random.Random(seed)
+    rows: list[dict] = []
+    for i in range(n):
+        kind = i % 5
+        if kind == 0:
+            messages = [{"role": "user", "content": rng.choice(CODING)}]
+            rows.append({"id": f"demo-{i:05d}", "messages": messages})
+        elif kind == 1:
+            messages = [{"role": "user", "content": rng.choice(MATHS)}]
+            rows.append({"id": f"demo-{i:05d}", "messages": messages})
+        elif kind == 2:
+            messages = [{"role": "system", "content": "You are a patient tutor."},
+                        {"role": "user", "content": rng.choice(MATHS)},
+                        {"role": "assistant", "content": "Let's work through it step by step."},
+                        {"role": "user", "content": "Now explain it to a ten-year-old."}]
+            rows.append({"id": f"demo-{i:05d}", "messages": messages})
+        elif kind == 3:
+            rows.append({"id": f"demo-{i:05d}", "tools": TOOLS,
+                         "messages": [{"role": "user", "content": rng.choice(TOOL_ASKS)}]})
+        else:
+            document = " ".join(rng.choice(CODING + MATHS) for _ in range(rng.randint(40, 120)))
+            rows.append({"id": f"demo-{i:05d}", "messages": [
+                {"role": "user", "content": f"Summarise the following notes in five bullet points:\n\n{document}"}]})
+    return rows
+
+
+def write_demo_prompts(path: Path, n: int = 120) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in demo_rows(n)))
+    os.replace(tmp, path)
+    return path

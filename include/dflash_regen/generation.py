@@ -1,0 +1,378 @@
+"""Generate one shard's completions on one leased server, exactly once and resumably.
+
+- **Lease**: the task takes an exclusive `flock` on one healthy server (`fleet/lease-<i>.lock`). The lock
+  dies with the process, so a killed task never leaves a server leased.
+- **Progress is keyed by `sample_id`**: finished rows go to checkpoint parts
+  (`completions/shard-XXXXX/part-*.parquet`, tmp + rename) every N results or T seconds, and 4xx-rejected
+  prompts to `failures/shard-XXXXX/part-*.parquet`. A rerun reads both and sends only what is missing,
+  then writes one shard file holding each sample once. A crash loses at most the in-flight requests.
+- **Failures**: transient errors are retried per request with backoff; when the server stops answering
+  it is marked unhealthy and the task fails, so Airflow's retry leases another server.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import threading
+import time
+import uuid
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import requests
+
+from dflash_regen.client import ChatResult, PromptError, TransientError, make_session, stream_chat
+from dflash_regen.config import GenerationSettings
+from dflash_regen.errors import DflashError
+from dflash_regen.fleet import Server, healthy_servers, is_alive, mark_unhealthy
+from dflash_regen.planning import QUARANTINE_SCHEMA, write_table_atomic
+
+log = logging.getLogger(__name__)
+
+THINK_MARKERS = ("<think>", "</think>")
+COMPLETION_SCHEMA = pa.schema([
+    ("sample_id", pa.string()), ("shard", pa.int32()), ("server", pa.string()),
+    ("reasoning_content", pa.string()), ("content", pa.string()), ("tool_calls", pa.string()),
+    ("finish_reason", pa.string()), ("prompt_tokens", pa.int32()), ("completion_tokens", pa.int32()),
+    ("reasoning_tokens", pa.int32()), ("latency_s", pa.float32()), ("attempt", pa.int16()),
+    ("max_tokens", pa.int32()), ("temperature", pa.float32()), ("top_p", pa.float32()), ("seed", pa.int64()),
+    ("enable_thinking", pa.bool_()), ("served_model", pa.string()), ("model_revision", pa.string()),
+    ("reasoning_parser", pa.string()), ("think_marker_leak", pa.bool_()), ("empty_content", pa.bool_()),
+    ("assistant_turns", pa.string()),
+])
+
+
+class ServerUnhealthy(DflashError):
+    """The leased server stopped answering; the task fails so its retry leases another one."""
+
+
+class NoServerFree(DflashError):
+    """Every healthy server is leased by another shard task (or none is healthy)."""
+
+
+# ------------------------------------------------------------------------------------------------- leases
+class Lease:
+    """An exclusive hold on one server for the life of this process (flock)."""
+
+    def __init__(self, server: Server, fd: int):
+        self.server, self._fd = server, fd
+
+    def release(self) -> None:
+        os.close(self._fd)
+
+
+def lease_server(fleet_dir: Path, servers: list[Server], shard: int, wait_s: float) -> Lease:
+    deadline = time.monotonic() + wait_s
+    while True:
+        candidates = healthy_servers(fleet_dir, servers)
+        if not candidates:
+            raise NoServerFree(f"no healthy server left in {fleet_dir} ({len(servers)} launched); check the "
+                               "server logs there, then clear launch_fleet to relaunch the fleet")
+        # Start at a shard-dependent server so parallel tasks spread out instead of racing for server 0.
+        ordered = sorted(candidates, key=lambda s: (s.index - shard) % len(servers))
+        for server in ordered:
+            fd = os.open(fleet_dir / f"lease-{server.index}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                continue
+            os.ftruncate(fd, 0)
+            os.write(fd, f"shard {shard} pid {os.getpid()}\n".encode())
+            return Lease(server, fd)
+        if time.monotonic() > deadline:
+            raise NoServerFree(f"all {len(candidates)} healthy servers stayed leased for {wait_s:.0f} s")
+        time.sleep(0.5)
+
+
+# ---------------------------------------------------------------------------------------------- checkpoints
+def _sources(folder: Path, target: Path) -> list[Path]:
+    """A merged shard file (if a crash hit between two merges) and every checkpoint part."""
+    parts = sorted(folder.glob("part-*.parquet")) if folder.is_dir() else []
+    return ([target] if target.is_file() else []) + parts
+
+
+def read_done(folder: Path, target: Path) -> set[str]:
+    done: set[str] = set()
+    for path in _sources(folder, target):
+        done.update(pq.read_table(path, columns=["sample_id"]).column("sample_id").to_pylist())
+    return done
+
+
+def write_part(folder: Path, rows: list[dict], schema: pa.Schema) -> None:
+    if rows:
+        table = pa.Table.from_pylist(rows, schema=schema)
+        write_table_atomic(table, folder / f"part-{time.time_ns():020d}-{uuid.uuid4().hex[:8]}.parquet")
+
+
+def merge_parts(folder: Path, target: Path, schema: pa.Schema) -> int:
+    """One file, each sample once (first write wins), written atomically; parts removed afterwards."""
+    sources = _sources(folder, target)
+    tables = [pq.read_table(p, schema=schema) for p in sources]
+    table = pa.concat_tables(tables) if tables else schema.empty_table()
+    ids = table.column("sample_id").to_pylist()
+    seen: set = set()
+    keep = [i for i, sid in enumerate(ids) if not (sid in seen or seen.add(sid))]
+    table = table.take(pa.array(keep, pa.int64())) if len(keep) != len(ids) else table
+    write_table_atomic(table, target)
+    for p in sources:
+        if p != target:
+            p.unlink()
+    return table.num_rows
+
+
+# ---------------------------------------------------------------------------------------------- requests
+def sample_seed(sample_id: str, run_seed: int) -> int:
+    return (int(hashlib.sha256(sample_id.encode()).hexdigest()[:8], 16) + run_seed) % (2**31)
+
+
+def _payload(messages: list[dict], tools: list[dict] | None, settings: GenerationSettings, seed: int,
+             max_tokens: int) -> dict:
+    payload = {"model": settings.served_model, "messages": messages, "max_tokens": max_tokens,
+               "temperature": settings.temperature, "top_p": settings.top_p, "seed": seed,
+               "chat_template_kwargs": {"enable_thinking": settings.enable_thinking}}
+    if tools:
+        payload["tools"] = tools
+    return payload
+
+
+def _turn(result: ChatResult) -> dict:
+    turn: dict = {"role": "assistant", "content": result.content}
+    if result.reasoning:
+        turn["reasoning_content"] = result.reasoning
+    if result.tool_calls:
+        turn["tool_calls"] = result.tool_calls
+    return turn
+
+
+class Generator:
+    """Sends one sample's requests with per-request retries; shared by the shard's worker threads."""
+
+    def __init__(self, server: Server, api_key: str, settings: GenerationSettings, in_flight: int,
+                 model_revision: str | None):
+        self.server, self.api_key, self.settings = server, api_key, settings
+        self.model_revision = model_revision
+        self.session = make_session(in_flight)
+        self.stop = threading.Event()
+        self._lock = threading.Lock()
+        self._consecutive_failures = 0
+        self.failure_limit = max(2 * in_flight, 8)
+
+    def _request(self, payload: dict) -> tuple[ChatResult, int]:
+        delay = 1.0
+        for attempt in range(1, self.settings.request_retries + 2):
+            if self.stop.is_set():
+                raise ServerUnhealthy("stopping: the server was marked unhealthy")
+            try:
+                result = stream_chat(self.session, self.server.url, self.api_key, payload,
+                                     stall_s=self.settings.stall_s, cap_s=self.settings.request_cap_s)
+            except TransientError as exc:
+                with self._lock:
+                    self._consecutive_failures += 1
+                    too_many = self._consecutive_failures >= self.failure_limit
+                if too_many or not self._server_answers():
+                    self.stop.set()
+                    raise ServerUnhealthy(f"{self.server.name} stopped answering "
+                                          f"({self._consecutive_failures} failures in a row; last: {exc})") from exc
+                if attempt > self.settings.request_retries:
+                    raise
+                log.warning("%s: attempt %d failed (%s); retrying in %.0f s", self.server.name, attempt, exc, delay)
+                time.sleep(delay)
+                delay = min(delay * 2, 30)
+                continue
+            with self._lock:
+                self._consecutive_failures = 0
+            return result, attempt
+        raise AssertionError("unreachable")
+
+    def _server_answers(self) -> bool:
+        if not is_alive(self.server):
+            return False
+        try:
+            return requests.get(f"{self.server.url}/health", timeout=min(30, self.settings.stall_s)).ok
+        except requests.RequestException:
+            return False
+
+    def generate(self, sample: dict) -> dict:
+        """One completion row for a shard row (sample_id, messages, tools)."""
+        s = self.settings
+        messages, tools = json.loads(sample["messages"]), json.loads(sample["tools"]) if sample["tools"] else None
+        seed = sample_seed(sample["sample_id"], s.seed)
+        turns: list[dict] = []
+        history: list[dict] = []
+        targets = messages
+        if s.regenerate_history:
+            # Regenerate every assistant turn in order from the model's own earlier answers.
+            for msg in messages:
+                if msg["role"] == "assistant":
+                    result, _ = self._request(_payload(history, tools, s, seed, s.max_tokens))
+                    turns.append(_turn(result))
+                    history.append({"role": "assistant", "content": result.content,
+                                    **({"tool_calls": result.tool_calls} if result.tool_calls else {})})
+                else:
+                    history.append(msg)
+            targets = history
+        max_tokens = s.max_tokens
+        result, attempt = self._request(_payload(targets, tools, s, seed, max_tokens))
+        if s.retry_truncated and (result.finish_reason == "length" or not (result.content or result.tool_calls)):
+            max_tokens = 2 * s.max_tokens
+            result, extra = self._request(_payload(targets, tools, s, seed, max_tokens))
+            attempt += extra
+        turns.append(_turn(result))
+        usage = result.usage or {}
+        return {
+            "sample_id": sample["sample_id"], "shard": sample["shard"], "server": self.server.name,
+            "reasoning_content": result.reasoning or None, "content": result.content or None,
+            "tool_calls": json.dumps(result.tool_calls) if result.tool_calls else None,
+            "finish_reason": result.finish_reason, "prompt_tokens": usage.get("prompt_tokens"),
+            "completion_tokens": usage.get("completion_tokens"), "reasoning_tokens": usage.get("reasoning_tokens"),
+            "latency_s": result.latency_s, "attempt": attempt, "max_tokens": max_tokens,
+            "temperature": s.temperature, "top_p": s.top_p, "seed": seed, "enable_thinking": s.enable_thinking,
+            "served_model": s.served_model, "model_revision": self.model_revision,
+            "reasoning_parser": s.reasoning_parser,
+            "think_marker_leak": any(m in (result.content or "") for m in THINK_MARKERS),
+            "empty_content": not (result.content or "").strip() and not result.tool_calls,
+            "assistant_turns": json.dumps(turns, ensure_ascii=False),
+        }
+
+
+# ------------------------------------------------------------------------------------------------ a shard
+@dataclass
+class ShardPaths:
+    shard: int
+    prompts: Path  # the planned shard file
+    parts: Path  # completions/shard-XXXXX/
+    failures: Path  # failures/shard-XXXXX/
+    output: Path  # completions/shard-XXXXX.parquet
+    failures_output: Path  # failures/shard-XXXXX.parquet
+
+    @classmethod
+    def of(cls, run_dir: Path, shard: int, prompts: Path) -> ShardPaths:
+        name = f"shard-{shard:05d}"
+        return cls(shard, prompts, run_dir / "completions" / name, run_dir / "failures" / name,
+                   run_dir / "completions" / f"{name}.parquet", run_dir / "failures" / f"{name}.parquet")
+
+
+def _server_facts(server: Server, api_key: str) -> tuple[int, str | None]:
+    """(effective running-request slots, weight version) of the leased server."""
+    headers = {"Authorization": f"Bearer {api_key}"}
+    try:
+        info = requests.get(f"{server.url}/server_info", headers=headers, timeout=30)
+        info.raise_for_status()
+        model = requests.get(f"{server.url}/model_info", headers=headers, timeout=30)
+        model.raise_for_status()
+        slots = int(info.json()["internal_states"][0]["effective_max_running_requests_per_dp"])
+    except (requests.RequestException, KeyError, IndexError, ValueError) as exc:
+        raise ServerUnhealthy(f"{server.name} did not report its slots ({exc})") from exc
+    return slots, model.json().get("weight_version")
+
+
+def generate_shard(paths: ShardPaths, lease: Lease, api_key: str, settings: GenerationSettings, *,
+                   fleet_dir: Path, run_prompts: int | None = None, servers_sharing: int = 1) -> dict:
+    """Complete the shard on the leased server; returns counts for XCom."""
+    started = time.monotonic()
+    if paths.output.is_file() and paths.failures_output.is_file():
+        done = pq.read_metadata(paths.output).num_rows
+        failed = pq.read_metadata(paths.failures_output).num_rows
+        log.info("shard %d already complete: %d completions, %d quarantined", paths.shard, done, failed)
+        return {"shard": paths.shard, "completed": done, "quarantined": failed, "generated_now": 0,
+                "path": str(paths.output), "server": None}
+    table = pq.read_table(paths.prompts, columns=["sample_id", "messages", "tools"])
+    done_ids = read_done(paths.parts, paths.output)
+    failed_ids = read_done(paths.failures, paths.failures_output)
+    todo = [{**row, "shard": paths.shard} for row in table.to_pylist()
+            if row["sample_id"] not in done_ids and row["sample_id"] not in failed_ids]
+    server = lease.server
+    try:
+        slots, revision = _server_facts(server, api_key)
+    except ServerUnhealthy as exc:
+        mark_unhealthy(fleet_dir, server, str(exc))
+        raise
+    in_flight = settings.in_flight or slots
+    log.info("shard %d on %s: %d prompts, %d done before, %d quarantined before, %d to send, %d in flight",
+             paths.shard, server.name, table.num_rows, len(done_ids), len(failed_ids), len(todo), in_flight)
+    gen = Generator(server, api_key, settings, in_flight, revision)
+    pending_rows: list[dict] = []
+    pending_failures: list[dict] = []
+    stats = {"completed": 0, "output_tokens": 0, "reasoning_tokens": 0, "quarantined": 0}
+    last_flush = last_log = time.monotonic()
+
+    def flush() -> None:
+        nonlocal last_flush
+        write_part(paths.parts, pending_rows, COMPLETION_SCHEMA)
+        write_part(paths.failures, pending_failures, QUARANTINE_SCHEMA)
+        pending_rows.clear()
+        pending_failures.clear()
+        last_flush = time.monotonic()
+
+    def progress() -> None:
+        elapsed = time.monotonic() - started
+        rate = stats["completed"] / elapsed if elapsed else 0.0
+        left = len(todo) - stats["completed"] - stats["quarantined"]
+        eta = left / rate if rate else float("inf")
+        run_eta = ""
+        if run_prompts and rate:
+            hours = run_prompts / (rate * max(servers_sharing, 1)) / 3600
+            run_eta = f"; whole run ~{hours:.1f} h if {servers_sharing} servers keep this rate"
+        log.info("shard %d: %d/%d done, %.0f output tok/s (%d reasoning / %d content tokens), ETA %.0f s%s",
+                 paths.shard, len(done_ids) + stats["completed"], table.num_rows, stats["output_tokens"] / elapsed,
+                 stats["reasoning_tokens"], stats["output_tokens"] - stats["reasoning_tokens"], eta, run_eta)
+
+    error: BaseException | None = None
+    with ThreadPoolExecutor(max_workers=in_flight, thread_name_prefix=f"shard{paths.shard}") as pool:
+        futures: dict[Future, dict] = {pool.submit(gen.generate, row): row for row in todo}
+        not_done = set(futures)
+        try:
+            while not_done:
+                finished, not_done = wait(not_done, timeout=1.0, return_when=FIRST_COMPLETED)
+                for fut in finished:
+                    row = futures.pop(fut)
+                    try:
+                        result = fut.result()
+                    except PromptError as exc:
+                        pending_failures.append({"location": row["sample_id"], "stage": "generate",
+                                                 "reason": f"http_{exc.status}", "detail": str(exc),
+                                                 "sample_id": row["sample_id"]})
+                        stats["quarantined"] += 1
+                        continue
+                    except (ServerUnhealthy, TransientError) as exc:
+                        if error is None:
+                            error = exc
+                            gen.stop.set()
+                        continue
+                    pending_rows.append(result)
+                    stats["completed"] += 1
+                    stats["output_tokens"] += result["completion_tokens"] or 0
+                    stats["reasoning_tokens"] += result["reasoning_tokens"] or 0
+                now = time.monotonic()
+                if len(pending_rows) + len(pending_failures) >= settings.checkpoint_every or \
+                        (now - last_flush >= settings.checkpoint_s and (pending_rows or pending_failures)):
+                    flush()
+                if now - last_log >= settings.progress_s:
+                    last_log = now
+                    progress()
+                if error is not None:
+                    for fut in not_done:
+                        fut.cancel()
+        finally:
+            flush()  # keep every finished result, whatever happens next
+    if error is not None:
+        if isinstance(error, ServerUnhealthy):
+            mark_unhealthy(fleet_dir, server, str(error))
+        raise ServerUnhealthy(f"shard {paths.shard} stopped on {server.name}: {error}; {stats['completed']} "
+                              "results of this attempt are checkpointed, the retry sends only the rest") from error
+    progress()
+    completed = merge_parts(paths.parts, paths.output, COMPLETION_SCHEMA)
+    quarantined = merge_parts(paths.failures, paths.failures_output, QUARANTINE_SCHEMA)
+    log.info("shard %d complete on %s: %d completions, %d quarantined, %.1f s", paths.shard, server.name,
+             completed, quarantined, time.monotonic() - started)
+    return {"shard": paths.shard, "completed": completed, "quarantined": quarantined,
+            "generated_now": stats["completed"], "output_tokens": stats["output_tokens"],
+            "path": str(paths.output), "server": server.name, "seconds": round(time.monotonic() - started, 2)}
