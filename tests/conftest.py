@@ -93,3 +93,24 @@ def run_params(tmp_path):
         return params
 
     return make
+
+
+@pytest.fixture
+def launch(run_params, tmp_path, no_leftover_servers):
+    """Launch an emulated fleet from Params overrides; returns (cfg, servers, api key); always stopped."""
+    from dflash_regen import fleet
+    from dflash_regen.config import RunConfig
+    from dflash_regen.demo_model import write_demo_model
+
+    fleet_dirs = []
+    model = write_demo_model(tmp_path / "model")
+
+    def start(num_servers=7, **overrides):
+        cfg = RunConfig.from_params(run_params(num_servers, **overrides), "test_run")
+        fleet_dirs.append(cfg.fleet_dir)
+        servers = fleet.launch_fleet(cfg.fleet, model, cfg.fleet_dir)
+        return cfg, servers, fleet.read_api_key(cfg.fleet_dir)
+
+    yield start
+    for d in fleet_dirs:
+        fleet.stop_fleet(d)

@@ -9,26 +9,7 @@ import pytest
 import requests
 
 from dflash_regen import fleet, probes, smoke
-from dflash_regen.config import RunConfig
-from dflash_regen.demo_model import write_demo_model
 from dflash_regen.errors import FleetError, GateFailed
-
-
-@pytest.fixture
-def launch(run_params, tmp_path, no_leftover_servers):
-    """Launch an emulated fleet from Params overrides; always stopped afterwards."""
-    fleet_dirs = []
-    model = write_demo_model(tmp_path / "model")
-
-    def start(num_servers=7, **overrides):
-        cfg = RunConfig.from_params(run_params(num_servers, **overrides), "test_run")
-        fleet_dirs.append(cfg.fleet_dir)
-        servers = fleet.launch_fleet(cfg.fleet, model, cfg.fleet_dir)
-        return cfg, servers, fleet.read_api_key(cfg.fleet_dir)
-
-    yield start
-    for d in fleet_dirs:
-        fleet.stop_fleet(d)
 
 
 def test_healthy_fleet_passes_both_gates_and_stops_cleanly(launch):

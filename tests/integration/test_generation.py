@@ -1,0 +1,153 @@
+"""Shard generation against real emulator processes: exactly once, resumable, fault tolerant."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+from dflash_regen import generation
+from dflash_regen.demo_prompts import write_demo_prompts
+from dflash_regen.fleet import is_alive, load_servers
+from dflash_regen.planning import plan_shards
+
+
+def plan(cfg, tmp_path, n=40, shard_size=40, rows=None):
+    src = tmp_path / "prompts.jsonl"
+    if rows is None:
+        write_demo_prompts(src, n)
+    else:
+        src.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    settings = type(cfg.plan)(shard_size=shard_size, max_tokens=cfg.plan.max_tokens,
+                              context_length=cfg.plan.context_length, max_bad_share=1.0)
+    return plan_shards(src, cfg.run_dir / "shards", cfg.run_dir / "failures" / "plan.parquet", settings)
+
+
+def run_shard(cfg, key, descriptor, **settings):
+    servers = load_servers(cfg.fleet_dir)
+    paths = generation.ShardPaths.of(cfg.run_dir, descriptor["shard"], Path(descriptor["path"]))
+    lease = generation.lease_server(cfg.fleet_dir, servers, descriptor["shard"], wait_s=5)
+    gen_settings = cfg.generation.__class__(**{**cfg.generation.__dict__, **settings})
+    try:
+        return generation.generate_shard(paths, lease, key, gen_settings, fleet_dir=cfg.fleet_dir), lease.server
+    finally:
+        lease.release()
+
+
+def ids_of(path):
+    return pq.read_table(path, columns=["sample_id"]).column("sample_id").to_pylist()
+
+
+def test_a_shard_completes_once_with_the_generation_mode_recorded(launch, tmp_path):
+    cfg, servers, key = launch(num_servers=1)
+    shard = plan(cfg, tmp_path)["shards"][0]
+    result, _ = run_shard(cfg, key, shard)
+    rows = pq.read_table(result["path"]).to_pylist()
+    assert sorted(r["sample_id"] for r in rows) == sorted(ids_of(shard["path"]))
+    assert result["completed"] == 40 and result["quarantined"] == 0
+    row = rows[0]
+    assert row["enable_thinking"] and row["reasoning_parser"] == "qwen3" and row["served_model"] == "qwen3.6-27b"
+    assert row["temperature"] == pytest.approx(0.6) and row["seed"] == generation.sample_seed(row["sample_id"], 0)
+    assert all(r["reasoning_content"] and r["finish_reason"] in {"stop", "tool_calls"} for r in rows)
+    assert any(r["tool_calls"] for r in rows)  # the demo set has tool prompts
+    again, _ = run_shard(cfg, key, shard)
+    assert again["generated_now"] == 0 and again["completed"] == 40  # a finished shard is not redone
+
+
+def test_leases_are_exclusive_and_a_dead_server_is_not_leased(launch):
+    cfg, servers, _ = launch(num_servers=2)
+    first = generation.lease_server(cfg.fleet_dir, servers, 0, wait_s=1)
+    second = generation.lease_server(cfg.fleet_dir, servers, 0, wait_s=1)
+    assert first.server.index != second.server.index
+    with pytest.raises(generation.NoServerFree, match="stayed leased"):
+        generation.lease_server(cfg.fleet_dir, servers, 0, wait_s=0.5)
+    first.release()
+    os.killpg(second.server.pid, signal.SIGKILL)
+    second.release()
+    time.sleep(0.3)
+    lease = generation.lease_server(cfg.fleet_dir, servers, 0, wait_s=1)
+    assert lease.server.index == first.server.index
+    lease.release()
+
+
+def test_server_killed_mid_shard_fails_over_with_nothing_lost_or_duplicated(launch, tmp_path):
+    cfg, servers, key = launch(num_servers=2, emulator_profile={"decode_tokens_per_s": 4000, "startup_s": 0.1})
+    shard = plan(cfg, tmp_path, n=60, shard_size=60)["shards"][0]
+    parts = cfg.run_dir / "completions" / "shard-00000"
+
+    def kill_server_0_once_results_are_checkpointed():  # shard 0 leases server 0 first
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not list(parts.glob("part-*.parquet")):
+            time.sleep(0.05)
+        os.killpg(servers[0].pid, signal.SIGKILL)
+
+    killer = threading.Thread(target=kill_server_0_once_results_are_checkpointed)
+    killer.start()
+    with pytest.raises(generation.ServerUnhealthy):
+        run_shard(cfg, key, shard, checkpoint_every=5, stall_s=5, request_retries=1)
+    killer.join()
+    assert (cfg.fleet_dir / "unhealthy-0").exists() and not is_alive(servers[0])
+    before = generation.read_done(parts, cfg.run_dir / "completions" / "shard-00000.parquet")
+    assert 0 < len(before) < 60
+    result, server = run_shard(cfg, key, shard)  # the retry leases the other server
+    assert server.index == 1
+    assert result["generated_now"] == 60 - len(before)
+    got = ids_of(result["path"])
+    assert sorted(got) == sorted(ids_of(shard["path"])) and len(got) == len(set(got))
+
+
+def test_shard_process_killed_while_checkpointing_resumes_from_its_parts(launch, tmp_path):
+    cfg, servers, key = launch(num_servers=1, emulator_profile={"decode_tokens_per_s": 3000, "startup_s": 0.1})
+    shard = plan(cfg, tmp_path, n=60, shard_size=60)["shards"][0]
+    script = f"""
+import json, sys
+from pathlib import Path
+sys.path.insert(0, {str(Path(__file__).parent)!r})
+from dflash_regen.config import RunConfig
+from test_generation import run_shard
+cfg = RunConfig.from_params(json.loads({json.dumps(json.dumps(cfg.params))!r}), "test_run")
+run_shard(cfg, {key!r}, json.loads({json.dumps(json.dumps(shard))!r}), checkpoint_every=3)
+"""
+    proc = subprocess.Popen([sys.executable, "-c", script])
+    parts = cfg.run_dir / "completions" / "shard-00000"
+    deadline = time.monotonic() + 60
+    while len(list(parts.glob("part-*.parquet"))) < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(10)
+    assert not (cfg.run_dir / "completions" / "shard-00000.parquet").exists()
+    done_before = generation.read_done(parts, cfg.run_dir / "completions" / "shard-00000.parquet")
+    assert len(done_before) >= 9
+    result, _ = run_shard(cfg, key, shard)
+    got = ids_of(result["path"])
+    assert result["generated_now"] == 60 - len(done_before)
+    assert sorted(got) == sorted(ids_of(shard["path"])) and len(got) == len(set(got))
+    assert not list(parts.glob("*.parquet")) and not list(parts.glob(".*tmp"))
+
+
+def test_errors_and_hangs_are_retried_until_every_sample_is_produced(launch, tmp_path):
+    cfg, _, key = launch(num_servers=1, emulator_faults={"*": {"http_error_rate": 0.05, "hang_rate": 0.02}})
+    shard = plan(cfg, tmp_path, n=100, shard_size=100)["shards"][0]
+    result, _ = run_shard(cfg, key, shard, stall_s=2.0, request_retries=6)
+    assert result["completed"] == 100 and result["quarantined"] == 0
+    rows = pq.read_table(result["path"], columns=["attempt"]).column("attempt").to_pylist()
+    assert max(rows) >= 2  # some requests really were retried
+
+
+def test_prompts_the_server_rejects_are_quarantined_with_its_message(launch, tmp_path):
+    cfg, _, key = launch(num_servers=1, server_flags="--context-length 20000", max_tokens=16384)
+    long = " ".join(f"word{i}" for i in range(6000))
+    rows = [{"id": "short", "messages": [{"role": "user", "content": "hi"}]},
+            {"id": "long", "messages": [{"role": "user", "content": long}]}]
+    shard = plan(cfg, tmp_path, rows=rows)["shards"][0]
+    result, _ = run_shard(cfg, key, shard)
+    assert result["completed"] == 1 and result["quarantined"] == 1
+    failure = pq.read_table(cfg.run_dir / "failures" / "shard-00000.parquet").to_pylist()[0]
+    assert failure["sample_id"] == "long" and failure["reason"] == "http_400"
+    assert "maximum context length" in failure["detail"] or "longer than the model's context" in failure["detail"]
