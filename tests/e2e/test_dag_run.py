@@ -26,16 +26,36 @@ def dag(airflow_db):
 
 
 def states(dag_run) -> dict[str, str]:
-    return {ti.task_id: ti.state for ti in dag_run.get_task_instances()}
+    """Task id -> state; a mapped task's state is the set of its instances' states."""
+    got: dict[str, set] = {}
+    for ti in dag_run.get_task_instances():
+        got.setdefault(ti.task_id, set()).add(ti.state)
+    return {task: ",".join(sorted(s)) for task, s in got.items()}
+
+
+def run_dir_of(conf, dag_run) -> Path:
+    from dflash_regen.config import safe_run_id
+
+    return Path(conf["output_root"]) / "runs" / safe_run_id(dag_run.run_id)
 
 
 def test_demo_dag_runs_green_on_seven_emulated_servers(dag, run_params, no_leftover_servers):
-    conf = run_params(7)
+    conf = run_params(7, shard_size=20)
     dag_run = dag.test(run_conf=conf)
-    assert states(dag_run) == {t: "success" for t in
-                               ("stage_weights", "launch_fleet", "health_check", "smoke_test", "stop_fleet")}
+    assert states(dag_run) == {t: "success" for t in ("stage_weights", "launch_fleet", "health_check",
+                                                       "smoke_test", "plan_shards", "generate", "stop_fleet")}
     assert dag_run.state == "success"
-    run_dir = Path(conf["output_root"]) / "runs" / dag_run.run_id.replace(":", "_").replace("+", "_")
+    labels = sorted(ti.rendered_map_index for ti in dag_run.get_task_instances() if ti.task_id == "generate")
+    assert labels[0] == "shard 0000 (20 prompts)" and len(labels) == 6
+    run_dir = run_dir_of(conf, dag_run)
+    import pyarrow.parquet as pq
+
+    plan = json.loads((run_dir / "reports" / "plan.json").read_text())
+    completions = [sid for p in (run_dir / "completions").glob("shard-*.parquet")
+                   for sid in pq.read_table(p, columns=["sample_id"]).column("sample_id").to_pylist()]
+    failed = sum(pq.read_metadata(p).num_rows for p in (run_dir / "failures").glob("shard-*.parquet"))
+    assert plan["rows"] == plan["accepted"] + plan["quarantined"] == 120
+    assert len(completions) == len(set(completions)) and len(completions) + failed == plan["accepted"]
     health = json.loads((run_dir / "reports" / "health.json").read_text())
     smoke = json.loads((run_dir / "reports" / "smoke.json").read_text())
     assert health["passed"] and len(health["servers"]) == 7
@@ -50,9 +70,9 @@ def test_low_allocation_fails_health_check_and_still_stops_the_fleet(dag, run_pa
     got = states(dag_run)
     assert got["launch_fleet"] == "success"
     assert got["health_check"] == "failed"
-    assert got["smoke_test"] == "upstream_failed"
+    assert got["smoke_test"] == "upstream_failed" and got["generate"] == "upstream_failed"
     assert got["stop_fleet"] == "success"  # the teardown runs although a gate failed
     assert dag_run.state == "failed"
-    run_dir = next((Path(conf["output_root"]) / "runs").iterdir())
+    run_dir = run_dir_of(conf, dag_run)
     report = json.loads((run_dir / "reports" / "health.json").read_text())
     assert not report["passed"] and "server 4 (GPU 4" in report["error"]
