@@ -23,7 +23,7 @@ def summarize(output_root: Path, log_path: Path, rc: int) -> str:
     else:
         lines.append(f"run folder: {run}")
         reports = run / "reports"
-        for name in ("staging", "health", "smoke"):
+        for name in ("staging", "health", "smoke", "plan"):
             path = reports / f"{name}.json"
             if not path.is_file():
                 lines.append(f"  {name:<8} (no report)")
@@ -32,11 +32,22 @@ def summarize(output_root: Path, log_path: Path, rc: int) -> str:
             if name == "staging":
                 lines.append(f"  staging  {report['files']} files, {report['copied_files']} copied, "
                              f"{report['mb_per_s']} MB/s")
+            elif name == "plan":
+                lines.append(f"  plan     {report['rows']} prompts: {report['accepted']} accepted, "
+                             f"{report['quarantined']} quarantined {report['quarantined_by_reason']}, "
+                             f"{report['shards']} shards")
             elif "servers" in report:
                 verdict = "passed" if report.get("passed") else "FAILED"
                 lines.append(f"  {name:<8} {verdict} on {len(report['servers'])} servers")
             else:
                 lines.append(f"  {name:<8} FAILED: {report.get('error', '').splitlines()[0]}")
+        done = list((run / "completions").glob("shard-*.parquet"))
+        if done:
+            import pyarrow.parquet as pq
+
+            rows = sum(pq.read_metadata(p).num_rows for p in done)
+            failed = sum(pq.read_metadata(p).num_rows for p in (run / "failures").glob("shard-*.parquet"))
+            lines.append(f"  generate {rows} completions in {len(done)} shards, {failed} rejected by the servers")
         lines.append(f"  server logs: {run / 'fleet'}")
     if rc != 0:
         text = log_path.read_text(errors="replace").splitlines() if log_path.is_file() else []
@@ -44,7 +55,7 @@ def summarize(output_root: Path, log_path: Path, rc: int) -> str:
         lines.append(f"demo FAILED (exit {rc}); log: {log_path}")
         lines.extend("  " + line[:300] for line in errors[-8:])
     else:
-        lines.append("demo passed: stage -> launch -> health -> smoke -> stop, all green")
+        lines.append("demo passed: stage -> launch -> health -> smoke -> plan -> generate -> stop, all green")
     return "\n".join(lines)
 
 

@@ -5,6 +5,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pyarrow.parquet as pq
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -48,8 +49,6 @@ def test_demo_dag_runs_green_on_seven_emulated_servers(dag, run_params, no_lefto
     labels = sorted(ti.rendered_map_index for ti in dag_run.get_task_instances() if ti.task_id == "generate")
     assert labels[0] == "shard 0000 (20 prompts)" and len(labels) == 6
     run_dir = run_dir_of(conf, dag_run)
-    import pyarrow.parquet as pq
-
     plan = json.loads((run_dir / "reports" / "plan.json").read_text())
     completions = [sid for p in (run_dir / "completions").glob("shard-*.parquet")
                    for sid in pq.read_table(p, columns=["sample_id"]).column("sample_id").to_pylist()]
