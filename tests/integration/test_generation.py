@@ -105,20 +105,22 @@ def test_server_killed_mid_shard_fails_over_with_nothing_lost_or_duplicated(laun
 def test_shard_process_killed_while_checkpointing_resumes_from_its_parts(launch, tmp_path):
     cfg, servers, key = launch(num_servers=1, emulator_profile={"decode_tokens_per_s": 3000, "startup_s": 0.1})
     shard = plan(cfg, tmp_path, n=60, shard_size=60)["shards"][0]
+    job = tmp_path / "job.json"
+    job.write_text(json.dumps({"params": cfg.params, "shard": shard, "key": key}))
     script = f"""
 import json, sys
-from pathlib import Path
 sys.path.insert(0, {str(Path(__file__).parent)!r})
 from dflash_regen.config import RunConfig
 from test_generation import run_shard
-cfg = RunConfig.from_params(json.loads({json.dumps(json.dumps(cfg.params))!r}), "test_run")
-run_shard(cfg, {key!r}, json.loads({json.dumps(json.dumps(shard))!r}), checkpoint_every=3)
+job = json.load(open({str(job)!r}))
+run_shard(RunConfig.from_params(job["params"], "test_run"), job["key"], job["shard"], checkpoint_every=3)
 """
     proc = subprocess.Popen([sys.executable, "-c", script])
     parts = cfg.run_dir / "completions" / "shard-00000"
     deadline = time.monotonic() + 60
     while len(list(parts.glob("part-*.parquet"))) < 3 and time.monotonic() < deadline:
         time.sleep(0.01)
+    assert proc.poll() is None, "the shard process ended before it could be killed"
     proc.send_signal(signal.SIGKILL)
     proc.wait(10)
     assert not (cfg.run_dir / "completions" / "shard-00000.parquet").exists()
