@@ -1,4 +1,5 @@
-"""The demo's prompt set, written by the project itself: coding, maths, multi-turn, tool calling, long prompts.
+"""The demo's prompt set, written by the project itself: coding, maths, multi-turn, tool calling, long prompts,
+and two malformed rows (a duplicate id, a bad role) that planning must quarantine.
 
 Deterministic: the same call writes the same file, so demo runs and tests are reproducible.
 """
@@ -57,6 +58,9 @@ def demo_rows(n: int = 120, seed: int = 0) -> list[dict]:
             document = " ".join(rng.choice(CODING + MATHS) for _ in range(rng.randint(40, 120)))
             rows.append({"id": f"demo-{i:05d}", "messages": [
                 {"role": "user", "content": f"Summarise the following notes in five bullet points:\n\n{document}"}]})
+    # Two rows the planner must quarantine, so the demo shows that nothing is dropped silently.
+    rows.append({"id": "demo-00000", "messages": [{"role": "user", "content": "A duplicate id."}]})
+    rows.append({"id": "demo-bad-role", "messages": [{"role": "narrator", "content": "Not a chat role."}]})
     return rows
 
 

@@ -53,7 +53,8 @@ def test_demo_dag_runs_green_on_seven_emulated_servers(dag, run_params, no_lefto
     completions = [sid for p in (run_dir / "completions").glob("shard-*.parquet")
                    for sid in pq.read_table(p, columns=["sample_id"]).column("sample_id").to_pylist()]
     failed = sum(pq.read_metadata(p).num_rows for p in (run_dir / "failures").glob("shard-*.parquet"))
-    assert plan["rows"] == plan["accepted"] + plan["quarantined"] == 120
+    assert plan["rows"] == plan["accepted"] + plan["quarantined"] == 122
+    assert plan["quarantined_by_reason"] == {"duplicate_id": 1, "bad_role": 1}
     assert len(completions) == len(set(completions)) and len(completions) + failed == plan["accepted"]
     health = json.loads((run_dir / "reports" / "health.json").read_text())
     smoke = json.loads((run_dir / "reports" / "smoke.json").read_text())

@@ -434,6 +434,21 @@ def test_decode_and_prefill_lines_are_logged_at_runtime(launch):
     assert re.search(r"Prefill batch, #new-seq: 1, #new-token: \d+, #cached-token: 0, ", log)
 
 
+def test_health_fails_when_a_long_prefill_starves_the_scheduler_past_the_timeout(launch):
+    emu = launch(env={"SGLANG_HEALTH_CHECK_TIMEOUT": "1"}, profile={"prefill_tokens_per_s": 1000})
+    long_prompt = {"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "word " * 3000}]}
+    with ThreadPoolExecutor(1) as pool:
+        pending = pool.submit(lambda: emu.chat(long_prompt, timeout=20))
+        time.sleep(0.3)  # its ~3 s prefill is running: no token comes out of the scheduler meanwhile
+        started = time.monotonic()
+        assert requests.get(emu.url + "/health", timeout=5).status_code == 503
+        assert 0.9 <= time.monotonic() - started < 2.5
+        assert pending.result().status_code == 200
+    assert requests.get(emu.url + "/health", timeout=5).status_code == 200  # busy, not dead (sglang#22511)
+    assert "Health check failed. Server couldn't get a response from detokenizer for last 1 seconds." in emu.log()
+    assert emu.chat({**PRIME, "max_tokens": -1}).status_code == 400
+
+
 def test_sigterm_while_a_request_runs_exits_0_quickly(launch):
     emu = launch(profile={"decode_tokens_per_s": 100})
     worker = ThreadPoolExecutor(1)

@@ -45,8 +45,10 @@ Environment
   substring, or a `loop_rate` share of prompts (decided per prompt + seed, so a retry loops again), get
   a reasoning that repeats one sentence until `max_tokens` (finish_reason "length").
 
-The error/hang draws come from one RNG per server, seeded by its GPU id, drawn for every chat
-completion in arrival order: a given sequence of requests always meets the same faults.
+"Arrives" counts every POST /v1/chat/completions that passed the API-key check, valid or not. The
+error/hang draws come from one RNG per server, seeded by its GPU id, drawn for every arrival in order: a
+given sequence of requests always meets the same faults. Faults apply after request validation (a bad
+request is still a 400).
 
 `DFLASH_EMU_PROFILE`: JSON object of model/speed knobs (defaults in parentheses):
 - `decode_tokens_per_s` (150): decode speed of each running request (tests use ~20000).

@@ -269,7 +269,7 @@ def _handle_speculative_decoding(args: ServerArgs, env: dict[str, str]) -> None:
         args.disable_overlap_schedule = True
         log.warning("Overlap scheduler is disabled when spec v2 is off or using unsupported speculative "
                     "algorithm. You can set env SGLANG_ENABLE_SPEC_V2=True to enable the experimental overlap "
-                    "scheduler.")
+                    "scheduler. ")
 
 
 def _handle_mamba_radix_cache(args: ServerArgs, model: ModelConfig, env: dict[str, str]) -> None:

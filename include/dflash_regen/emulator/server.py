@@ -182,6 +182,17 @@ def _kill_self() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+def _scheduler_died(task: asyncio.Task) -> None:
+    """A bug in the emulated scheduler ends the server the way a crashed SGLang scheduler does, loudly."""
+    if task.cancelled() or task.exception() is None:
+        return
+    import traceback
+
+    error = task.exception()
+    log.error("Scheduler hit an exception: " + "".join(traceback.format_exception(error)))
+    _kill_self()
+
+
 # ------------------------------------------------------------------------------------------------ app
 def create_app(emu: Emulator):
     """The ASGI app (FastAPI behind the API-key check)."""
@@ -189,6 +200,7 @@ def create_app(emu: Emulator):
     @contextlib.asynccontextmanager
     async def lifespan(_app):
         loop_task = asyncio.create_task(emu.scheduler.run(), name="scheduler")
+        loop_task.add_done_callback(_scheduler_died)
         warm_task = asyncio.create_task(_warmup(emu), name="warmup")
         yield
         emu.shutting_down = True
@@ -436,7 +448,9 @@ async def _chat(emu: Emulator, request: Request):
     if req.n != 1:
         return error_response("n > 1 is not supported by the SGLang emulator; send n separate requests.",
                               "BadRequestError", 400)
-    max_new = req.max_completion_tokens or req.max_tokens
+    max_new = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    if max_new is not None and max_new < 0:
+        return error_response(f"max_new_tokens must be at least 0, got {max_new}.", "BadRequestError", 400)
     if emu.args.context_length and max_new is not None and max_new > emu.args.context_length:
         return error_response(f"max_completion_tokens is too large: {max_new}.This model supports at most "
                               f"{emu.args.context_length} completion tokens.", "BadRequestError", 400)
