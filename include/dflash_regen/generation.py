@@ -133,7 +133,7 @@ def sample_seed(sample_id: str, run_seed: int) -> int:
     return (int(hashlib.sha256(sample_id.encode()).hexdigest()[:8], 16) + run_seed) % (2**31)
 
 
-def _payload(messages: list[dict], tools: list[dict] | None, settings: GenerationSettings, seed: int,
+def chat_payload(messages: list[dict], tools: list[dict] | None, settings: GenerationSettings, seed: int,
              max_tokens: int) -> dict:
     payload = {"model": settings.served_model, "messages": messages, "max_tokens": max_tokens,
                "temperature": settings.temperature, "top_p": settings.top_p, "seed": seed,
@@ -212,7 +212,7 @@ class Generator:
             # Regenerate every assistant turn in order from the model's own earlier answers.
             for msg in messages:
                 if msg["role"] == "assistant":
-                    result, _ = self._request(_payload(history, tools, s, seed, s.max_tokens))
+                    result, _ = self._request(chat_payload(history, tools, s, seed, s.max_tokens))
                     turns.append(_turn(result))
                     history.append({"role": "assistant", "content": result.content,
                                     **({"tool_calls": result.tool_calls} if result.tool_calls else {})})
@@ -220,10 +220,10 @@ class Generator:
                     history.append(msg)
             targets = history
         max_tokens = s.max_tokens
-        result, attempt = self._request(_payload(targets, tools, s, seed, max_tokens))
+        result, attempt = self._request(chat_payload(targets, tools, s, seed, max_tokens))
         if s.retry_truncated and (result.finish_reason == "length" or not (result.content or result.tool_calls)):
             max_tokens = 2 * s.max_tokens
-            result, extra = self._request(_payload(targets, tools, s, seed, max_tokens))
+            result, extra = self._request(chat_payload(targets, tools, s, seed, max_tokens))
             attempt += extra
         turns.append(_turn(result))
         usage = result.usage or {}

@@ -153,3 +153,31 @@ def test_prompts_the_server_rejects_are_quarantined_with_its_message(launch, tmp
     failure = pq.read_table(cfg.run_dir / "failures" / "shard-00000.parquet").to_pylist()[0]
     assert failure["sample_id"] == "long" and failure["reason"] == "http_400"
     assert "maximum context length" in failure["detail"] or "longer than the model's context" in failure["detail"]
+
+
+def test_truncated_and_empty_answers_are_recorded_not_dropped_and_may_be_retried_once(launch, tmp_path):
+    cfg, _, key = launch(num_servers=1, max_tokens=512)
+    rows = [{"id": "prime", "messages": [{"role": "user",
+                                          "content": "Write a Python function to check if a number is prime."}]}]
+    shard = plan(cfg, tmp_path, rows=rows)["shards"][0]
+    result, _ = run_shard(cfg, key, shard)
+    row = pq.read_table(result["path"]).to_pylist()[0]
+    assert (row["finish_reason"], row["empty_content"], row["content"]) == ("length", True, None)
+    assert row["completion_tokens"] == row["reasoning_tokens"] == 512
+    retried, _ = run_shard(cfg, key, {**shard, "shard": 1}, retry_truncated=True)
+    row = pq.read_table(retried["path"]).to_pylist()[0]
+    assert row["max_tokens"] == 1024 and row["attempt"] >= 2
+
+
+def test_regenerate_history_replaces_earlier_assistant_turns_with_the_models_own(launch, tmp_path):
+    cfg, _, key = launch(num_servers=1)
+    rows = [{"id": "mt", "messages": [{"role": "user", "content": "What is 2+2?"},
+                                      {"role": "assistant", "content": "ORIGINAL ANSWER"},
+                                      {"role": "user", "content": "And 3+3?"}]}]
+    shard = plan(cfg, tmp_path, rows=rows)["shards"][0]
+    plain, _ = run_shard(cfg, key, shard)
+    assert len(json.loads(pq.read_table(plain["path"]).to_pylist()[0]["assistant_turns"])) == 1
+    regen, _ = run_shard(cfg, key, {**shard, "shard": 1}, regenerate_history=True)
+    turns = json.loads(pq.read_table(regen["path"]).to_pylist()[0]["assistant_turns"])
+    assert len(turns) == 2 and all(t["reasoning_content"] and t["content"] for t in turns)
+    assert turns[0]["content"] != "ORIGINAL ANSWER"
