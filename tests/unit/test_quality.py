@@ -1,0 +1,80 @@
+"""Row rules and the real Great Expectations suite on hand-made summary tables."""
+
+import pytest
+
+from dflash_regen.quality import QualitySettings, apply_row_rules, repetition_score, row_problem, run_suite
+
+S = QualitySettings()
+
+
+def good(i, **changes):
+    row = {"sample_id": f"s{i}", "n_tokens": 900, "mask_len": 900, "loss_mask_sum": 700, "finish_reason": "stop",
+           "content_chars": 300, "reasoning_tokens": 500, "think_marker_leak": False, "tool_call_expected": False,
+           "tool_call_present": False, "repetition_score": 0.01, "enable_thinking": True}
+    return {**row, **changes}
+
+
+@pytest.mark.parametrize(("changes", "reason"), [
+    ({"loss_mask_sum": 6, "content_chars": 3}, "empty_answer_mask"),
+    ({"finish_reason": "length", "content_chars": 0}, "truncated"),
+    ({"content_chars": 0}, "empty_content"),
+    ({"think_marker_leak": True}, "think_marker_in_content"),
+    ({"reasoning_tokens": 0}, "no_reasoning"),
+    ({"repetition_score": 0.9}, "degenerate_repetition"),
+    ({"mask_len": 899}, "mask_length_mismatch"),
+])
+def test_row_rules_name_the_problem(changes, reason):
+    assert row_problem(good(0, **changes), S) == reason
+    assert row_problem(good(0), S) == ""
+
+
+def test_a_tool_call_answer_without_content_is_kept():
+    assert row_problem(good(0, content_chars=0, tool_call_expected=True, tool_call_present=True), S) == ""
+
+
+def test_repetition_score_separates_loops_from_prose():
+    prose = " ".join(f"word{i}" for i in range(400))
+    loop = "Wait, let me check the base case again. " * 60
+    assert repetition_score(prose) == 0.0
+    assert repetition_score(loop) > 0.9
+
+
+def test_the_seeds_dataset_fails_the_suite_and_writes_data_docs(tmp_path):
+    rows = [good(i) for i in range(13)] + [good(100 + i, loss_mask_sum=6, content_chars=3) for i in range(87)]
+    report = run_suite(rows, expected_rows=100, s=S, docs_dir=tmp_path / "docs")
+    assert report["success"] is False
+    failed = {e["expectation"] for e in report["expectations"] if not e["success"]}
+    assert "expect_column_values_to_be_between" in failed
+    mask = next(e for e in report["expectations"] if e["kwargs"].get("column") == "loss_mask_sum")
+    assert mask["success"] is False and "87 unexpected (87.00%)" in mask["observed"]
+    assert (tmp_path / "docs" / "index.html").is_file()
+
+
+def test_a_clean_run_passes_after_row_rules_quarantine_a_few(tmp_path):
+    rows = [good(i) for i in range(200)] + [good(900, finish_reason="length", content_chars=0)]
+    kept, quarantined = apply_row_rules(rows, S)
+    assert quarantined == [{"sample_id": "s900", "reason": "truncated"}]
+    report = run_suite(rows, expected_rows=201, s=S, docs_dir=tmp_path / "docs")
+    assert report["success"] is True, report["expectations"]
+
+
+def test_counts_that_do_not_reconcile_fail(tmp_path):
+    report = run_suite([good(i) for i in range(10)], expected_rows=11, s=S, docs_dir=tmp_path / "docs")
+    count = next(e for e in report["expectations"] if e["expectation"] == "expect_table_row_count_to_equal")
+    assert report["success"] is False and count["success"] is False and count["observed"] == 10
+
+
+def test_duplicate_ids_fail(tmp_path):
+    report = run_suite([good(1), good(1)], expected_rows=2, s=S, docs_dir=tmp_path / "docs")
+    unique = next(e for e in report["expectations"] if e["expectation"] == "expect_column_values_to_be_unique")
+    assert not unique["success"]
+
+
+def test_missing_reasoning_counts_only_where_thinking_was_on(tmp_path):
+    off = [good(i, reasoning_tokens=0, enable_thinking=False) for i in range(50)]
+    on = [good(100 + i) for i in range(50)]
+    assert run_suite(off + on, expected_rows=100, s=S, docs_dir=tmp_path / "a")["success"] is True
+    missing = [good(200 + i, reasoning_tokens=0) for i in range(50)]
+    report = run_suite(missing + on, expected_rows=100, s=S, docs_dir=tmp_path / "b")
+    reasoning = next(e for e in report["expectations"] if e["kwargs"].get("column") == "reasoning_tokens")
+    assert report["success"] is False and reasoning["success"] is False
