@@ -1,0 +1,51 @@
+"""The training conversation of one sample: the prompt's turns plus the model's generated assistant turn(s).
+
+Shared by tokenization and publishing, so the tokenized ids and the published SpecForge conversations are
+the same conversation. With `regenerate_history`, the prompt's earlier assistant turns are replaced, in
+order, by the model's own regenerated ones (`assistant_turns[:-1]`).
+"""
+
+from __future__ import annotations
+
+import json
+
+
+def build(messages: list[dict], assistant_turns: list[dict], regenerated_history: bool) -> list[dict]:
+    if not assistant_turns:
+        raise ValueError("a completion must hold at least one generated assistant turn")
+    history = iter(assistant_turns[:-1]) if regenerated_history else None
+    turns = []
+    for msg in messages:
+        if msg["role"] == "assistant" and history is not None:
+            turns.append(_clean(next(history)))
+        else:
+            turns.append(msg)
+    turns.append(_clean(assistant_turns[-1]))
+    return turns
+
+
+def _clean(turn: dict) -> dict:
+    out = {"role": "assistant", "content": turn.get("content") or ""}
+    if turn.get("reasoning_content"):
+        out["reasoning_content"] = turn["reasoning_content"]
+    if turn.get("tool_calls"):
+        out["tool_calls"] = turn["tool_calls"]
+    return out
+
+
+def from_rows(prompt_row: dict, completion_row: dict) -> tuple[list[dict], list[dict] | None]:
+    """(conversation, tools) from a shard row and its completion row (parquet JSON columns)."""
+    messages = json.loads(prompt_row["messages"])
+    tools = json.loads(prompt_row["tools"]) if prompt_row.get("tools") else None
+    turns = json.loads(completion_row["assistant_turns"])
+    return build(messages, turns, regenerated_history=len(turns) > 1), tools
+
+
+def specforge_record(sample_id: str, conversation: list[dict], tools: list[dict] | None) -> dict:
+    """SpecForge's online-training row: {"id", "conversations": [{"role", "content", ...}], "tools"?}."""
+    record = {"id": sample_id, "conversations": [
+        {k: v for k, v in turn.items() if k in {"role", "content", "reasoning_content", "tool_calls",
+                                                 "tool_call_id"}} for turn in conversation]}
+    if tools:
+        record["tools"] = tools
+    return record
