@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash_regen.errors import ConfigError
+from dflash_regen.quality import QualitySettings
 
 EMULATOR = "emulator"
 DEMO_MODEL = "demo"
@@ -72,6 +73,14 @@ DEFAULTS: dict[str, Any] = {
     "regenerate_history": False,
     "checkpoint_every": 50,
     "checkpoint_s": 30.0,
+    "mask_reasoning": True,
+    "empty_mask_tokens": 6,
+    "max_bad_sample_share": 0.02,
+    "max_truncated_share": 0.05,
+    "max_repetition_score": 0.5,
+    "train_max_length": 4096,
+    "max_overlong_share": 0.5,
+    "dataset_name": "qwen3.6-27b-regen",
     "output_root": os.environ.get("DFLASH_OUTPUT_ROOT", str(Path.home() / "dflash-regen")),
     "emulator_faults": {},
     "emulator_profile": {},
@@ -81,6 +90,7 @@ DEFAULTS: dict[str, Any] = {
 # shell), so they could only be a mistake or an injection attempt: refuse them with a clear message.
 _SHELL_META = re.compile(r"[;&|`$<>(){}\\\n*?!]")
 _RUN_ID_UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
+_DATASET_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 
 
 def _fail(name: str, value: Any, rule: str) -> ConfigError:
@@ -249,6 +259,9 @@ class RunConfig:
     prompt_source: str  # a file or directory, or "demo" for the generated demo prompts
     plan: PlanSettings
     generation: GenerationSettings
+    quality: QualitySettings
+    mask_reasoning: bool
+    dataset_name: str
     params: dict = field(repr=False, compare=False, default_factory=dict)
 
     @property
@@ -262,6 +275,10 @@ class RunConfig:
     @property
     def reports_dir(self) -> Path:
         return self.run_dir / "reports"
+
+    @property
+    def publish_dir(self) -> Path:
+        return self.output_root / "published" / self.dataset_name / self.run_id
 
     @classmethod
     def from_params(cls, params: dict, run_id: str) -> RunConfig:
@@ -360,6 +377,19 @@ class RunConfig:
             checkpoint_s=_float(params, "checkpoint_s", 0.1, 86_400),
             progress_s=30.0, served_model=served, reasoning_parser=_flag_value(flags, "--reasoning-parser"),
         )
+        quality = QualitySettings(
+            empty_mask_tokens=_int(params, "empty_mask_tokens", 0, 1000),
+            max_bad_share=_float(params, "max_bad_sample_share", 0.0, 1.0),
+            max_truncated_share=_float(params, "max_truncated_share", 0.0, 1.0),
+            max_repetition=_float(params, "max_repetition_score", 0.0, 1.0),
+            max_length=_int(params, "train_max_length", 1, 10_000_000),
+            max_overlong_share=_float(params, "max_overlong_share", 0.0, 1.0),
+        )
+        dataset_name = _str(params, "dataset_name")
+        if not _DATASET_NAME.fullmatch(dataset_name):
+            raise _fail("dataset_name", dataset_name, "must be letters, digits, '.', '_' or '-' (no '/' or '..'), "
+                        "starting with a letter or digit")
         return cls(run_id=safe_run_id(run_id), output_root=output_root, model_source=model_source,
                    staging_dir=staging_dir, fleet=fleet, sampling=sampling, prompt_source=prompt_source,
-                   plan=plan, generation=generation, params=dict(params))
+                   plan=plan, generation=generation, quality=quality, mask_reasoning=_bool(params, "mask_reasoning"),
+                   dataset_name=dataset_name, params=dict(params))

@@ -19,6 +19,7 @@ import shutil
 import uuid
 from pathlib import Path
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 
 log = logging.getLogger(__name__)
@@ -103,3 +104,78 @@ Files: `conversations.jsonl` (SpecForge online-training format), `tokenized/` (i
 mask = the generated assistant turn incl. reasoning, SpecForge `qwen3.5` convention). Offline hidden states
 for this set would need about {manifest['storage']['offline_hidden_states_tb']:.1f} TB.
 """
+
+
+def _ids(path: Path, column: str = "sample_id") -> set[str]:
+    return set(pq.read_table(path, columns=[column]).column(column).to_pylist()) if path.is_file() else set()
+
+
+def _reasons(paths: list[Path]) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for path in paths:
+        for reason in pq.read_table(path, columns=["reason"]).column("reason").to_pylist():
+            counts[reason] = counts.get(reason, 0) + 1
+    return counts
+
+
+def publish_run(run_dir: Path, dest: Path, plan: dict, quality: dict, config: dict) -> dict:
+    """Filter the run's tokenized shards and conversations to the kept samples, then publish atomically."""
+    import pyarrow.compute as pc
+
+    from dflash_regen.planning import write_table_atomic
+
+    dropped = _ids(run_dir / "quality" / "quarantine.parquet")
+    final = run_dir / "final"
+    final.mkdir(parents=True, exist_ok=True)
+    tokenized, conversations = [], []
+    published = 0
+    for path in sorted((run_dir / "tokenized").glob("shard-*.parquet")):
+        table = pq.read_table(path)
+        table = table.filter(pc.invert(pc.is_in(table.column("sample_id"), pa.array(sorted(dropped), pa.string()))))
+        out = final / path.name
+        write_table_atomic(table, out)
+        tokenized.append(out)
+        published += table.num_rows
+        lines = (run_dir / "tokenized" / path.name.replace("shard-", "conversations-").replace(".parquet", ".jsonl")
+                 ).read_text().splitlines()
+        kept = [line for line in lines if json.loads(line)["id"] not in dropped]
+        conv = final / f"conversations-{path.stem.split('-')[1]}.jsonl"
+        tmp = conv.with_name(f".{conv.name}.tmp")
+        tmp.write_text("".join(line + "\n" for line in kept))
+        os.replace(tmp, conv)
+        conversations.append(conv)
+
+    failure_files = sorted((run_dir / "failures").glob("*.parquet"))
+    by_reason = _reasons(failure_files)
+    for reason, n in quality.get("quarantined_by_reason", {}).items():
+        by_reason[reason] = by_reason.get(reason, 0) + n
+    quarantined = sum(by_reason.values())
+    if plan["rows"] != published + quarantined:
+        raise ValueError(f"counts do not reconcile: {plan['rows']:,} prompts but {published:,} published + "
+                         f"{quarantined:,} quarantined; nothing published. Inspect {run_dir}/failures and quality/")
+    completions = pa.concat_tables([pq.read_table(p, columns=["sample_id", "server", "completion_tokens",
+                                                               "latency_s"])
+                                    for p in sorted((run_dir / "completions").glob("shard-*.parquet"))])
+    rows = completions.to_pylist()
+    servers: dict[str, dict] = {}
+    for r in rows:
+        s = servers.setdefault(r["server"], {"samples": 0, "output_tokens": 0, "request_seconds": 0.0})
+        s["samples"] += 1
+        s["output_tokens"] += r["completion_tokens"] or 0
+        s["request_seconds"] += r["latency_s"] or 0.0
+    for s in servers.values():
+        s["tok_per_s_per_request"] = round(s["output_tokens"] / s["request_seconds"], 1) if s["request_seconds"] else 0
+    total_tokens = sum(pq.read_table(p, columns=["n_tokens"]).column("n_tokens").to_numpy().sum() for p in tokenized)
+    output_tokens = sum(r["completion_tokens"] or 0 for r in rows if r["sample_id"] not in dropped)
+    manifest = {
+        "name": dest.parent.name, "version": dest.name,
+        "counts": {"prompts": plan["rows"], "published": published, "quarantined": quarantined,
+                   "quarantined_by_reason": by_reason},
+        "tokens": {"total": int(total_tokens), "output": int(output_tokens)},
+        "servers": servers, "quality": {k: quality[k] for k in ("success", "statistics", "expectations")},
+        "input": {"source": plan["source"], "fingerprint": plan["fingerprint"]},
+        "config": config,
+        "storage": {"offline_hidden_states_tb": round(hidden_state_bytes(int(total_tokens)) / 1e12, 3)},
+    }
+    publish(dest, conversations, tokenized, manifest, dataset_card(dest.parent.name, dest.name, manifest))
+    return manifest

@@ -146,3 +146,21 @@ def format_table(table: list[dict]) -> str:
 
 def quarantine_counts(quarantined: list[dict]) -> dict[str, int]:
     return dict(Counter(q["reason"] for q in quarantined))
+
+
+def validate_run(run_dir: Path, expected_rows: int, s: QualitySettings, docs_dir: Path) -> dict:
+    """Row rules + suite over every shard's summary; writes `quality/quarantine.parquet`; returns the report."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from dflash_regen.planning import write_table_atomic
+
+    rows = [r for p in sorted((run_dir / "tokenized").glob("summary-*.parquet")) for r in pq.read_table(p).to_pylist()]
+    kept, quarantined = apply_row_rules(rows, s)
+    write_table_atomic(pa.Table.from_pylist(quarantined, schema=pa.schema([("sample_id", pa.string()),
+                                                                            ("reason", pa.string())])),
+                       run_dir / "quality" / "quarantine.parquet")
+    report = run_suite(rows, expected_rows, s, docs_dir)
+    report.update({"samples": len(rows), "kept": len(kept), "quarantined": len(quarantined),
+                   "quarantined_by_reason": quarantine_counts(quarantined), "settings": s.__dict__})
+    return report

@@ -62,6 +62,8 @@ def test_launcher_owned_flags_cannot_be_overridden():
     ("model_source_dir", "models/qwen", "absolute path or 'demo'"),
     ("enable_thinking", "yes", "true or false"),
     ("emulator_faults", [1], "JSON object"),
+    ("dataset_name", "../../etc", "no '/' or '..'"),
+    ("dataset_name", "a/b", "no '/' or '..'"),
 ])
 def test_bad_params_name_the_field_the_value_and_the_rule(name, value, message):
     with pytest.raises(ConfigError) as info:
