@@ -18,13 +18,15 @@ from __future__ import annotations
 import datetime as dt
 import os
 
-from airflow.sdk import Param, dag, setup, task, teardown
+from airflow.sdk import Asset, Param, dag, setup, task, teardown
 
 from dflash_regen import dag_tasks
 from dflash_regen.config import DEFAULTS as D
 
-FLEET, GATES, PROMPTS, SAMPLING, DISPATCH, OUTPUT, EMULATOR = (
-    "Fleet", "Fleet gates", "Prompts", "Sampling", "Dispatch", "Output", "Emulator (demo and tests)")
+FLEET, GATES, PROMPTS, SAMPLING, DISPATCH, QUALITY, OUTPUT, EMULATOR = (
+    "Fleet", "Fleet gates", "Prompts", "Sampling", "Dispatch", "Quality gate", "Output", "Emulator (demo and tests)")
+# Training DAGs can be scheduled on this asset; each event's extra names the published version.
+DATASET = Asset(name="dflash_regen_dataset", uri="file:///dflash-regen/published")
 # Shard tasks running at once; each leases one server, so more than the fleet size would only wait.
 PARALLEL_SHARDS = int(os.environ.get("DFLASH_PARALLEL_SHARDS", "7"))
 
@@ -103,6 +105,26 @@ PARAMS = {
                               title="Checkpoint every N results"),
     "checkpoint_s": Param(D["checkpoint_s"], type="number", minimum=0.1, section=DISPATCH,
                           title="Checkpoint every T seconds"),
+    "mask_reasoning": Param(D["mask_reasoning"], type="boolean", section=QUALITY, title="Train on the reasoning",
+                            description="Loss mask covers reasoning + answer (SpecForge qwen3.5); off = answer only."),
+    "empty_mask_tokens": Param(D["empty_mask_tokens"], type="integer", minimum=0, section=QUALITY,
+                               title="Empty-answer mask size",
+                               description="Samples with a loss mask at or below this are empty answers (the seed's "
+                                           "`</think>\\n\\nOK.<|im_end|>\\n` is 6 tokens)."),
+    "max_bad_sample_share": Param(D["max_bad_sample_share"], type="number", minimum=0, maximum=1, section=QUALITY,
+                                  title="Max share of bad samples",
+                                  description="Bad samples are quarantined; above this share nothing is published."),
+    "max_truncated_share": Param(D["max_truncated_share"], type="number", minimum=0, maximum=1, section=QUALITY,
+                                 title="Max share of truncated answers (finish_reason length)"),
+    "max_repetition_score": Param(D["max_repetition_score"], type="number", minimum=0, maximum=1, section=QUALITY,
+                                  title="Max reasoning repetition score",
+                                  description="Share of repeated 8-grams; loops (temperature 0) score near 1."),
+    "train_max_length": Param(D["train_max_length"], type="integer", minimum=1, section=QUALITY,
+                              title="Training max_length", description="SpecForge's Qwen3.6-27B recipe: 4096."),
+    "max_overlong_share": Param(D["max_overlong_share"], type="number", minimum=0, maximum=1, section=QUALITY,
+                                title="Max share longer than max_length"),
+    "dataset_name": Param(D["dataset_name"], type="string", pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$", section=OUTPUT,
+                          title="Dataset name", description="Published to <output root>/published/<name>/<run id>/."),
     "output_root": Param(D["output_root"], type="string", pattern="^/", section=OUTPUT, title="Output root",
                          description="Absolute path; runs go to <output root>/runs/<run id>/."),
     "emulator_faults": Param(D["emulator_faults"], type="object", section=EMULATOR, title="Emulator faults",
@@ -153,6 +175,20 @@ def dflash_regen():
     def generate(shard: dict, params=None, run_id=None) -> dict:
         return dag_tasks.generate(params, run_id, shard)
 
+    @task(map_index_template="{{ 'shard %04d' | format(generated.shard) }}")
+    def tokenize(generated: dict, params=None, run_id=None) -> dict:
+        return dag_tasks.tokenize_shard(params, run_id, generated)
+
+    @task(retries=0)
+    def validate(tokenized: list[dict], params=None, run_id=None) -> dict:
+        return dag_tasks.validate(params, run_id)
+
+    @task(outlets=[DATASET])
+    def publish(validated: dict, params=None, run_id=None, outlet_events=None) -> dict:
+        result = dag_tasks.publish_dataset(params, run_id)
+        outlet_events[DATASET].extra = result
+        return result
+
     @teardown
     @task
     def stop_fleet(fleet: dict, params=None, run_id=None) -> list[str]:
@@ -162,7 +198,8 @@ def dflash_regen():
     checked = smoke_test(fleet, health_check(fleet))
     shards = plan_shards()  # runs while the servers load: it needs no GPU
     generated = generate.expand(shard=shards)
-    checked >> generated >> stop_fleet(fleet)
+    checked >> generated >> stop_fleet(fleet)  # the servers are not needed past generation
+    publish(validate(tokenize.expand(generated=generated)))
 
 
 dflash_regen()

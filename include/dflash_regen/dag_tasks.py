@@ -14,13 +14,14 @@ import logging
 import os
 from pathlib import Path
 
+import pyarrow.parquet as pq
 from airflow.sdk.exceptions import AirflowFailException
 
-from dflash_regen import fleet, generation, planning, probes, smoke, staging
+from dflash_regen import fleet, generation, planning, probes, publish, quality, smoke, staging, tokenize, tokenized
 from dflash_regen.config import DEMO_MODEL, DEMO_PROMPTS, RunConfig
 from dflash_regen.demo_model import write_demo_model
 from dflash_regen.demo_prompts import write_demo_prompts
-from dflash_regen.errors import ConfigError, GateFailed, StagingError
+from dflash_regen.errors import ConfigError, GateFailed, PublishRefused, StagingError
 from dflash_regen.prompts import PromptSourceError
 
 log = logging.getLogger(__name__)
@@ -31,7 +32,7 @@ def fail_fast(fn):
     def wrapper(*args, **kwargs):
         try:
             return fn(*args, **kwargs)
-        except (ConfigError, GateFailed, StagingError, PromptSourceError) as exc:
+        except (ConfigError, GateFailed, StagingError, PromptSourceError, PublishRefused) as exc:
             raise AirflowFailException(f"{type(exc).__name__}: {exc}") from exc
 
     return wrapper
@@ -59,7 +60,7 @@ def stage_weights(params: dict, run_id: str) -> dict:
     cfg = RunConfig.from_params(params, run_id)  # validates every Param before any GPU work
     source = Path(cfg.model_source)
     if cfg.model_source == DEMO_MODEL:
-        source = write_demo_model(cfg.output_root / "demo-model")
+        source = write_demo_model(cfg.output_root / "demo-model", with_tokenizer=True)
         log.info("demo: generated a stand-in model dir at %s", source)
     report = staging.stage(source, cfg.staging_dir)
     write_report(cfg, "staging", report.to_dict())
@@ -130,3 +131,41 @@ def generate(params: dict, run_id: str, shard: dict) -> dict:
                                          run_prompts=shard.get("run_prompts"), servers_sharing=healthy)
     finally:
         lease.release()
+
+
+def tokenize_shard(params: dict, run_id: str, generated: dict) -> dict:
+    cfg = RunConfig.from_params(params, run_id)
+    shard = generated["shard"]
+    tok = tokenize.load_tokenizer(cfg.staging_dir)
+    return tokenized.tokenize_shard(cfg.run_dir / "shards" / f"shard-{shard:05d}.parquet", Path(generated["path"]),
+                                    cfg.run_dir / "tokenized", shard, tok, include_reasoning=cfg.mask_reasoning)
+
+
+@fail_fast
+def validate(params: dict, run_id: str) -> dict:
+    cfg = RunConfig.from_params(params, run_id)
+    plan = json.loads((cfg.run_dir / "shards" / "plan.json").read_text())
+    rejected = sum(pq.read_metadata(p).num_rows for p in (cfg.run_dir / "failures").glob("shard-*.parquet"))
+    report = quality.validate_run(cfg.run_dir, plan["accepted"] - rejected, cfg.quality,
+                                  cfg.reports_dir / "data_docs")
+    write_report(cfg, "quality", report)
+    if not report["success"]:
+        failed = [f"{e['expectation']} {e['kwargs'].get('column', '')}: observed {e['observed']}"
+                  for e in report["expectations"] if not e["success"]]
+        raise GateFailed(f"quality gate failed, nothing will be published: {'; '.join(failed)}. Data Docs: "
+                         f"{report['data_docs']}")
+    return {"kept": report["kept"], "quarantined": report["quarantined"]}
+
+
+@fail_fast
+def publish_dataset(params: dict, run_id: str) -> dict:
+    cfg = RunConfig.from_params(params, run_id)
+    plan = json.loads((cfg.run_dir / "shards" / "plan.json").read_text())
+    report = json.loads((cfg.reports_dir / "quality.json").read_text())
+    if not report["success"]:
+        raise GateFailed("the quality report says the gate failed; refusing to publish")
+    publish.clean_stale_tmp(cfg.publish_dir.parent)
+    config = {k: v for k, v in cfg.params.items() if k not in {"emulator_faults"}}
+    manifest = publish.publish_run(cfg.run_dir, cfg.publish_dir, plan, report, config)
+    return {"path": str(cfg.publish_dir), "samples": manifest["counts"]["published"],
+            "quarantined": manifest["counts"]["quarantined"], "tokens": manifest["tokens"]["total"]}

@@ -23,3 +23,7 @@ class FleetError(DflashError):
 
 class GateFailed(DflashError):
     """A fleet gate (allocation health check or smoke test) rejected one or more servers."""
+
+
+class PublishRefused(DflashError):
+    """The run's files are inconsistent (counts do not reconcile): nothing is published."""

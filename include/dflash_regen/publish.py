@@ -22,6 +22,8 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from dflash_regen.errors import PublishRefused
+
 log = logging.getLogger(__name__)
 
 # Offline hidden-state extraction stores, per token, the target layers the drafter reads (Qwen3.6-27B
@@ -62,7 +64,7 @@ def publish(dest: Path, conversations: list[Path], tokenized: list[Path], manife
             shutil.copyfile(path, tmp / "tokenized" / f"part-{i:05d}.parquet")
             rows += pq.read_metadata(path).num_rows
         if rows != manifest["counts"]["published"]:
-            raise ValueError(f"tokenized files hold {rows} rows but the manifest says "
+            raise PublishRefused(f"tokenized files hold {rows} rows but the manifest says "
                              f"{manifest['counts']['published']}: refusing to publish an inconsistent version")
         (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1, sort_keys=True))
         (tmp / "README.md").write_text(card)
@@ -151,7 +153,7 @@ def publish_run(run_dir: Path, dest: Path, plan: dict, quality: dict, config: di
         by_reason[reason] = by_reason.get(reason, 0) + n
     quarantined = sum(by_reason.values())
     if plan["rows"] != published + quarantined:
-        raise ValueError(f"counts do not reconcile: {plan['rows']:,} prompts but {published:,} published + "
+        raise PublishRefused(f"counts do not reconcile: {plan['rows']:,} prompts but {published:,} published + "
                          f"{quarantined:,} quarantined; nothing published. Inspect {run_dir}/failures and quality/")
     completions = pa.concat_tables([pq.read_table(p, columns=["sample_id", "server", "completion_tokens",
                                                                "latency_s"])

@@ -12,7 +12,7 @@ from dflash_regen.config import RunConfig
 ROOT = Path(__file__).resolve().parents[2]
 
 EXPECTED_TASKS = {"stage_weights", "launch_fleet", "health_check", "smoke_test", "plan_shards", "generate",
-                  "stop_fleet"}
+                  "tokenize", "validate", "publish", "stop_fleet"}
 
 
 @pytest.fixture(scope="module")
@@ -36,6 +36,7 @@ def test_expected_tasks_in_pipeline_order_without_cycles(dag):
     assert order.index("stage_weights") < order.index("launch_fleet") < order.index("health_check") \
         < order.index("smoke_test") < order.index("generate") < order.index("stop_fleet")
     assert order.index("plan_shards") < order.index("generate")
+    assert order.index("generate") < order.index("tokenize") < order.index("validate") < order.index("publish")
 
 
 def test_clearing_one_shard_reruns_the_fleet_setups_and_teardown_but_not_planning(dag):
@@ -57,11 +58,17 @@ def test_fleet_gates_are_setup_tasks_and_stop_is_the_teardown(dag):
     assert stop.trigger_rule == "all_done_setup_success"
 
 
+def test_publish_emits_the_dataset_asset(dag):
+    outlets = dag.get_task("publish").outlets
+    assert [a.name for a in outlets] == ["dflash_regen_dataset"]
+
+
 def test_policy_no_catchup_single_active_run_gates_not_retried(dag):
     assert dag.catchup is False and dag.schedule is None and dag.max_active_runs == 1
     tasks = {t.task_id: t for t in dag.tasks}
     assert tasks["launch_fleet"].retries >= 1
-    assert tasks["health_check"].retries == 0 and tasks["smoke_test"].retries == 0  # a retry cannot fix a gate
+    for gate in ("health_check", "smoke_test", "validate"):  # a retry cannot fix a failed gate
+        assert tasks[gate].retries == 0
 
 
 def test_param_defaults_validate_and_build_a_run_config(dag):

@@ -43,8 +43,9 @@ def run_dir_of(conf, dag_run) -> Path:
 def test_demo_dag_runs_green_on_seven_emulated_servers(dag, run_params, no_leftover_servers):
     conf = run_params(7, shard_size=20)
     dag_run = dag.test(run_conf=conf)
-    assert states(dag_run) == {t: "success" for t in ("stage_weights", "launch_fleet", "health_check",
-                                                       "smoke_test", "plan_shards", "generate", "stop_fleet")}
+    assert states(dag_run) == {t: "success" for t in ("stage_weights", "launch_fleet", "health_check", "smoke_test",
+                                                       "plan_shards", "generate", "tokenize", "validate",
+                                                       "publish", "stop_fleet")}
     assert dag_run.state == "success"
     labels = sorted(ti.rendered_map_index for ti in dag_run.get_task_instances() if ti.task_id == "generate")
     assert labels[0] == "shard 0000 (20 prompts)" and len(labels) == 6
@@ -62,6 +63,23 @@ def test_demo_dag_runs_green_on_seven_emulated_servers(dag, run_params, no_lefto
     assert smoke["passed"] and all(s["ok"] for s in smoke["servers"])
     assert sorted(p.name for p in (run_dir / "fleet").glob("server-*.log")) == [f"server-{i}.log" for i in range(7)]
     assert (Path(conf["staging_dir"]) / "config.json").is_file()
+    # Published: complete, reconciled, and loadable as parquet.
+    from dflash_regen.config import safe_run_id
+
+    version = Path(conf["output_root"]) / "published" / conf["dataset_name"] / safe_run_id(dag_run.run_id)
+    manifest = json.loads((version / "manifest.json").read_text())
+    c = manifest["counts"]
+    assert c["prompts"] == 122 == c["published"] + c["quarantined"]
+    assert c["quarantined_by_reason"]["duplicate_id"] == 1 and c["quarantined_by_reason"]["bad_role"] == 1
+    tokenized = pq.read_table(version / "tokenized")
+    assert tokenized.num_rows == c["published"]
+    assert all(len(i) == len(m) for i, m in zip(tokenized.column("input_ids").to_pylist(),
+                                                 tokenized.column("loss_mask").to_pylist(), strict=True))
+    assert min(tokenized.column("loss_mask_sum").to_pylist()) > 6
+    lines = (version / "conversations.jsonl").read_text().splitlines()
+    assert len(lines) == c["published"] and json.loads(lines[0])["conversations"][-1]["role"] == "assistant"
+    assert (run_dir / "reports" / "data_docs" / "index.html").is_file()
+    assert manifest["quality"]["success"] and manifest["storage"]["offline_hidden_states_tb"] > 0
 
 
 def test_low_allocation_fails_health_check_and_still_stops_the_fleet(dag, run_params, no_leftover_servers):
@@ -71,6 +89,8 @@ def test_low_allocation_fails_health_check_and_still_stops_the_fleet(dag, run_pa
     assert got["launch_fleet"] == "success"
     assert got["health_check"] == "failed"
     assert got["smoke_test"] == "upstream_failed" and got["generate"] == "upstream_failed"
+    assert got["publish"] == "upstream_failed"
+    assert not (Path(conf["output_root"]) / "published").exists()
     assert got["stop_fleet"] == "success"  # the teardown runs although a gate failed
     assert dag_run.state == "failed"
     run_dir = run_dir_of(conf, dag_run)

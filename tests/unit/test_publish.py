@@ -6,6 +6,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from dflash_regen import publish
+from dflash_regen.errors import PublishRefused
 
 
 def inputs(tmp_path, rows=2):
@@ -36,7 +37,7 @@ def test_inconsistent_counts_publish_nothing(tmp_path):
     conv, tok, manifest = inputs(tmp_path)
     manifest["counts"]["published"] = 3
     dest = tmp_path / "published" / "ds" / "v1"
-    with pytest.raises(ValueError, match="refusing to publish"):
+    with pytest.raises(PublishRefused, match="refusing to publish"):
         publish.publish(dest, [conv], [tok], manifest, "card")
     assert not dest.exists() and not list(dest.parent.iterdir())
 

@@ -28,8 +28,11 @@ def test_row_rules_name_the_problem(changes, reason):
     assert row_problem(good(0), S) == ""
 
 
-def test_a_tool_call_answer_without_content_is_kept():
-    assert row_problem(good(0, content_chars=0, tool_call_expected=True, tool_call_present=True), S) == ""
+def test_a_tool_call_answer_without_content_is_kept_and_passes_the_suite(tmp_path):
+    tool = good(0, content_chars=0, tool_call_expected=True, tool_call_present=True)
+    assert row_problem(tool, S) == ""
+    rows = [good(i) for i in range(1, 10)] + [dict(tool, sample_id=f"t{i}") for i in range(10)]
+    assert run_suite(rows, expected_rows=19, s=S, docs_dir=tmp_path / "docs")["success"] is True
 
 
 def test_repetition_score_separates_loops_from_prose():
