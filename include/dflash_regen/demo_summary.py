@@ -48,6 +48,16 @@ def summarize(output_root: Path, log_path: Path, rc: int) -> str:
             rows = sum(pq.read_metadata(p).num_rows for p in done)
             failed = sum(pq.read_metadata(p).num_rows for p in (run / "failures").glob("shard-*.parquet"))
             lines.append(f"  generate {rows} completions in {len(done)} shards, {failed} rejected by the servers")
+        quality = reports / "quality.json"
+        if quality.is_file():
+            q = json.loads(quality.read_text())
+            lines.append(f"  quality  {'passed' if q['success'] else 'FAILED'}: {q['kept']} kept, {q['quarantined']} "
+                         f"quarantined {q['quarantined_by_reason']}; Data Docs: {q['data_docs']}")
+        for manifest in sorted(output_root.glob(f"published/*/{run.name}/manifest.json")):
+            m = json.loads(manifest.read_text())
+            lines.append(f"  publish  {manifest.parent}: {m['counts']['published']} samples, "
+                         f"{m['tokens']['total']:,} tokens; {m['counts']['quarantined']} quarantined "
+                         f"{m['counts']['quarantined_by_reason']}")
         lines.append(f"  server logs: {run / 'fleet'}")
     if rc != 0:
         text = log_path.read_text(errors="replace").splitlines() if log_path.is_file() else []
@@ -55,7 +65,8 @@ def summarize(output_root: Path, log_path: Path, rc: int) -> str:
         lines.append(f"demo FAILED (exit {rc}); log: {log_path}")
         lines.extend("  " + line[:300] for line in errors[-8:])
     else:
-        lines.append("demo passed: stage -> launch -> health -> smoke -> plan -> generate -> stop, all green")
+        lines.append("demo passed: stage -> launch -> health -> smoke -> plan -> generate -> tokenize -> validate -> "
+                     "publish, fleet stopped")
     return "\n".join(lines)
 
 
