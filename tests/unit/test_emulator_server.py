@@ -453,7 +453,6 @@ def test_sigterm_while_a_request_runs_exits_0_quickly(launch):
     worker = ThreadPoolExecutor(1)
     pending = worker.submit(lambda: emu.chat({**PRIME, "max_tokens": 5000}, timeout=10))
     time.sleep(0.3)
-    started = time.monotonic()
     emu.proc.send_signal(signal.SIGTERM)
     assert emu.proc.wait(timeout=5) == 0
     with pytest.raises(requests.RequestException):
