@@ -17,6 +17,8 @@ os.environ["AIRFLOW__CORE__PLUGINS_FOLDER"] = str(ROOT / "plugins")
 os.environ["AIRFLOW__CORE__LOAD_EXAMPLES"] = "False"
 os.environ["AIRFLOW__CORE__DAGS_ARE_PAUSED_AT_CREATION"] = "False"
 os.environ.pop("DFLASH_SGLANG_API_KEY", None)
+os.environ["HF_HUB_OFFLINE"] = "1"  # `datasets` must never reach for a hub in tests
+os.environ["HF_DATASETS_CACHE"] = tempfile.mkdtemp(prefix="dflash-hf-datasets-")
 
 # Fast emulated model for tests: a 2,000-token answer streams in ~0.1 s.
 FAST_PROFILE = {"decode_tokens_per_s": 20000, "startup_s": 0.1}

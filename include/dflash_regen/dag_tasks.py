@@ -166,6 +166,6 @@ def publish_dataset(params: dict, run_id: str) -> dict:
         raise GateFailed("the quality report says the gate failed; refusing to publish")
     publish.clean_stale_tmp(cfg.publish_dir.parent)
     config = {k: v for k, v in cfg.params.items() if k not in {"emulator_faults"}}
-    manifest = publish.publish_run(cfg.run_dir, cfg.publish_dir, plan, report, config)
+    manifest = publish.publish_run(cfg.run_dir, cfg.publish_dir, plan, report, config, cfg.staging_dir)
     return {"path": str(cfg.publish_dir), "samples": manifest["counts"]["published"],
             "quarantined": manifest["counts"]["quarantined"], "tokens": manifest["tokens"]["total"]}

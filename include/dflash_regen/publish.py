@@ -26,13 +26,24 @@ from dflash_regen.errors import PublishRefused
 
 log = logging.getLogger(__name__)
 
-# Offline hidden-state extraction stores, per token, the target layers the drafter reads (Qwen3.6-27B
-# DFlash: 5 layers of hidden size 5120, bf16). The seed found ~90 TB for its run, hence online training.
-HIDDEN_SIZE, TARGET_LAYERS, BYTES_PER_VALUE = 5120, 5, 2
+# Offline hidden-state extraction stores, per token, the target layers the drafter reads: 5 for the
+# Qwen3.6-27B DFlash drafter (target_layer_ids [1, 16, 31, 46, 61]), in bf16. The seed found ~90 TB for its
+# run, hence online training.
+TARGET_LAYERS, BYTES_PER_VALUE = 5, 2
+DEFAULT_HIDDEN_SIZE = 5120
 
 
-def hidden_state_bytes(total_tokens: int) -> int:
-    return total_tokens * HIDDEN_SIZE * TARGET_LAYERS * BYTES_PER_VALUE
+def hidden_size(model_dir: Path) -> int:
+    """The model's hidden size from its config.json (Qwen3.5/3.6 keep it under text_config)."""
+    try:
+        config = json.loads((model_dir / "config.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return DEFAULT_HIDDEN_SIZE
+    return int((config.get("text_config") or config).get("hidden_size", DEFAULT_HIDDEN_SIZE))
+
+
+def hidden_state_bytes(total_tokens: int, hidden: int = DEFAULT_HIDDEN_SIZE) -> int:
+    return total_tokens * hidden * TARGET_LAYERS * BYTES_PER_VALUE
 
 
 def _fsync_dir(path: Path) -> None:
@@ -120,7 +131,7 @@ def _reasons(paths: list[Path]) -> dict[str, int]:
     return counts
 
 
-def publish_run(run_dir: Path, dest: Path, plan: dict, quality: dict, config: dict) -> dict:
+def publish_run(run_dir: Path, dest: Path, plan: dict, quality: dict, config: dict, model_dir: Path) -> dict:
     """Filter the run's tokenized shards and conversations to the kept samples, then publish atomically."""
     import pyarrow.compute as pc
 
@@ -167,17 +178,26 @@ def publish_run(run_dir: Path, dest: Path, plan: dict, quality: dict, config: di
         s["request_seconds"] += r["latency_s"] or 0.0
     for s in servers.values():
         s["tok_per_s_per_request"] = round(s["output_tokens"] / s["request_seconds"], 1) if s["request_seconds"] else 0
-    total_tokens = sum(pq.read_table(p, columns=["n_tokens"]).column("n_tokens").to_numpy().sum() for p in tokenized)
-    output_tokens = sum(r["completion_tokens"] or 0 for r in rows if r["sample_id"] not in dropped)
+    summary = [r for p in sorted((run_dir / "tokenized").glob("summary-*.parquet")) for r in pq.read_table(
+        p, columns=["sample_id", "n_tokens", "loss_mask_sum", "reasoning_tokens", "content_tokens"]).to_pylist()
+        if r["sample_id"] not in dropped]
+    total_tokens = sum(r["n_tokens"] for r in summary)
+    hidden = hidden_size(model_dir)
     manifest = {
         "name": dest.parent.name, "version": dest.name,
         "counts": {"prompts": plan["rows"], "published": published, "quarantined": quarantined,
                    "quarantined_by_reason": by_reason},
-        "tokens": {"total": int(total_tokens), "output": int(output_tokens)},
+        "tokens": {"total": total_tokens, "supervised": sum(r["loss_mask_sum"] for r in summary),
+                   "supervised_reasoning": sum(r["reasoning_tokens"] for r in summary),
+                   "supervised_answer": sum(r["content_tokens"] for r in summary),
+                   "prompt_and_history": total_tokens - sum(r["loss_mask_sum"] for r in summary),
+                   "output": sum(r["completion_tokens"] or 0 for r in rows if r["sample_id"] not in dropped)},
         "servers": servers, "quality": {k: quality[k] for k in ("success", "statistics", "expectations")},
         "input": {"source": plan["source"], "fingerprint": plan["fingerprint"]},
         "config": config,
-        "storage": {"offline_hidden_states_tb": round(hidden_state_bytes(int(total_tokens)) / 1e12, 3)},
+        "storage": {"offline_hidden_states_tb": round(hidden_state_bytes(total_tokens, hidden) / 1e12, 3),
+                    "formula": f"{total_tokens:,} tokens x hidden {hidden} x {TARGET_LAYERS} layers x "
+                               f"{BYTES_PER_VALUE} bytes"},
     }
     publish(dest, conversations, tokenized, manifest, dataset_card(dest.parent.name, dest.name, manifest))
     return manifest

@@ -71,13 +71,24 @@ def test_demo_dag_runs_green_on_seven_emulated_servers(dag, run_params, no_lefto
     c = manifest["counts"]
     assert c["prompts"] == 122 == c["published"] + c["quarantined"]
     assert c["quarantined_by_reason"]["duplicate_id"] == 1 and c["quarantined_by_reason"]["bad_role"] == 1
-    tokenized = pq.read_table(version / "tokenized")
+    from datasets import load_dataset
+
+    from dflash_regen.tokenize import load_tokenizer
+
+    tokenized = load_dataset("parquet", data_dir=str(version / "tokenized"), split="train")
     assert tokenized.num_rows == c["published"]
-    assert all(len(i) == len(m) for i, m in zip(tokenized.column("input_ids").to_pylist(),
-                                                 tokenized.column("loss_mask").to_pylist(), strict=True))
-    assert min(tokenized.column("loss_mask_sum").to_pylist()) > 6
-    lines = (version / "conversations.jsonl").read_text().splitlines()
-    assert len(lines) == c["published"] and json.loads(lines[0])["conversations"][-1]["role"] == "assistant"
+    tok = load_tokenizer(conf["staging_dir"])
+    for row in tokenized.select(range(0, tokenized.num_rows, 10)):
+        assert len(row["input_ids"]) == len(row["loss_mask"]) == row["n_tokens"]
+        assert sum(row["loss_mask"]) == row["loss_mask_sum"] > conf["empty_mask_tokens"]
+        supervised = tok.decode([i for i, m in zip(row["input_ids"], row["loss_mask"], strict=True) if m])
+        assert "</think>" in supervised and supervised.endswith("<|im_end|>\n")
+        assert "<|im_start|>user" not in supervised  # the prompt is never trained on
+    conversations = load_dataset("json", data_files=str(version / "conversations.jsonl"), split="train")
+    assert conversations.num_rows == c["published"]
+    assert sorted(conversations["id"]) == sorted(tokenized["sample_id"])
+    last = conversations[0]["conversations"][-1]
+    assert last["role"] == "assistant" and last["reasoning_content"]
     assert (run_dir / "reports" / "data_docs" / "index.html").is_file()
     assert manifest["quality"]["success"] and manifest["storage"]["offline_hidden_states_tb"] > 0
 
