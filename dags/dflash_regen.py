@@ -6,7 +6,9 @@ fit before any real work: enough KV tokens and running-request slots (`health_ch
 not reasoning only, not truncated, tool calls parsed — to representative prompts at the production
 `max_tokens` (`smoke_test`). Meanwhile `plan_shards` validates the prompts (bad rows are quarantined with a
 reason) and writes ~1,000-prompt shards; `generate` completes each shard on one leased server, resumably.
-The fleet is always stopped at the end.
+The fleet is stopped as soon as generation ends. `tokenize` computes `input_ids` and `loss_mask` with the
+model's chat template, `validate` runs the Great Expectations gate (Data Docs in the run's `reports/`), and
+`publish` moves the dataset into place atomically and emits the `dflash_regen_dataset` asset.
 
 The gates are setup tasks: clearing one failed `generate` shard re-launches and re-checks the fleet, then
 sends only that shard's missing samples.
