@@ -193,12 +193,20 @@ class Generator:
         raise AssertionError("unreachable")
 
     def _server_answers(self) -> bool:
+        """A real 1-token generation: `/health` can answer while the scheduler is wedged (sglang#6624)."""
         if not is_alive(self.server):
             return False
-        try:
-            return requests.get(f"{self.server.url}/health", timeout=min(30, self.settings.stall_s)).ok
-        except requests.RequestException:
-            return False
+        probe = {"model": self.settings.served_model, "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}],
+                 "chat_template_kwargs": {"enable_thinking": False}}
+        for _ in range(2):  # one probe may meet the same transient fault as the request it checks
+            try:
+                requests.post(f"{self.server.url}/v1/chat/completions", json=probe,
+                              timeout=min(30.0, self.settings.stall_s),
+                              headers={"Authorization": f"Bearer {self.api_key}"})
+                return True  # any answer, even a 5xx, means the scheduler is there
+            except requests.RequestException:
+                continue
+        return False
 
     def generate(self, sample: dict) -> dict:
         """One completion row for a shard row (sample_id, messages, tools)."""

@@ -21,6 +21,8 @@ from dflash_regen.fleet import Server
 
 log = logging.getLogger(__name__)
 
+SMOKE_ATTEMPTS = 3
+
 WEATHER_TOOL = {
     "type": "function",
     "function": {
@@ -121,15 +123,23 @@ def smoke_one(server: Server, api_key: str, prompt: str, spec: dict, sampling: S
     }
     if "tools" in spec:
         payload["tools"] = spec["tools"]
-    started = time.monotonic()
-    try:
-        resp = requests.post(f"{server.url}/v1/chat/completions", json=payload, timeout=sampling.smoke_timeout_s,
-                             headers={"Authorization": f"Bearer {api_key}"})
-    except requests.RequestException as exc:
-        result.problem = (f"no answer within {sampling.smoke_timeout_s:.0f} s ({type(exc).__name__}); the server "
-                          f"is down or wedged; log: {server.log_path}")
+    # A transient 5xx or reset is retried (SGLang answers 503 when its queue is full); a server that keeps
+    # failing, or any 4xx, fails the gate.
+    for attempt in range(1, SMOKE_ATTEMPTS + 1):
+        started = time.monotonic()
+        try:
+            resp = requests.post(f"{server.url}/v1/chat/completions", json=payload,
+                                 timeout=sampling.smoke_timeout_s, headers={"Authorization": f"Bearer {api_key}"})
+        except requests.RequestException as exc:
+            result.problem = (f"no answer within {sampling.smoke_timeout_s:.0f} s ({type(exc).__name__}) in "
+                              f"{attempt} attempts; the server is down or wedged; log: {server.log_path}")
+            continue
+        result.latency_s = time.monotonic() - started
+        if resp.status_code >= 500 and attempt < SMOKE_ATTEMPTS:
+            continue
+        break
+    else:
         return result
-    result.latency_s = time.monotonic() - started
     if resp.status_code != 200:
         result.problem = f"HTTP {resp.status_code}: {resp.text[:300]}"
         return result
