@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 import random
 import socket
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -116,3 +118,18 @@ def launch(run_params, tmp_path, no_leftover_servers):
     yield start
     for d in fleet_dirs:
         fleet.stop_fleet(d)
+
+
+@pytest.fixture(scope="session")
+def airflow_db():
+    """dag.test needs a migrated metadata DB (SQLite in the session's AIRFLOW_HOME)."""
+    airflow = Path(sys.executable).parent / "airflow"
+    done = subprocess.run([str(airflow), "db", "migrate"], capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+
+
+@pytest.fixture(scope="session")
+def dag(airflow_db):
+    from airflow.dag_processing.dagbag import DagBag
+
+    return DagBag(dag_folder=str(ROOT / "dags")).dags["dflash_regen"]

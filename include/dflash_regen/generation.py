@@ -53,6 +53,10 @@ class ServerUnhealthy(DflashError):
     """The leased server stopped answering; the task fails so its retry leases another one."""
 
 
+class _Stopped(ServerUnhealthy):
+    """Raised in the other workers once one of them found the server dead: not the cause, only its echo."""
+
+
 class NoServerFree(DflashError):
     """Every healthy server is leased by another shard task (or none is healthy)."""
 
@@ -169,7 +173,7 @@ class Generator:
         delay = 1.0
         for attempt in range(1, self.settings.request_retries + 2):
             if self.stop.is_set():
-                raise ServerUnhealthy("stopping: the server was marked unhealthy")
+                raise _Stopped("stopping: another request found the server unhealthy")
             try:
                 result = stream_chat(self.session, self.server.url, self.api_key, payload,
                                      stall_s=self.settings.stall_s, cap_s=self.settings.request_cap_s)
@@ -351,9 +355,9 @@ def generate_shard(paths: ShardPaths, lease: Lease, api_key: str, settings: Gene
                         stats["quarantined"] += 1
                         continue
                     except (ServerUnhealthy, TransientError) as exc:
-                        if error is None:
+                        if error is None or isinstance(error, _Stopped):  # keep the cause, not its echoes
                             error = exc
-                            gen.stop.set()
+                        gen.stop.set()
                         continue
                     pending_rows.append(result)
                     stats["completed"] += 1

@@ -1,43 +1,10 @@
 """The whole DAG, run by Airflow (`dag.test`) against seven emulated SGLang servers."""
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pyarrow.parquet as pq
-import pytest
-
-ROOT = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture(scope="session")
-def airflow_db():
-    """dag.test needs a migrated metadata DB (SQLite in the session's AIRFLOW_HOME)."""
-    airflow = Path(sys.executable).parent / "airflow"
-    done = subprocess.run([str(airflow), "db", "migrate"], capture_output=True, text=True, timeout=300, check=False)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-
-
-@pytest.fixture(scope="session")
-def dag(airflow_db):
-    from airflow.dag_processing.dagbag import DagBag
-
-    return DagBag(dag_folder=str(ROOT / "dags")).dags["dflash_regen"]
-
-
-def states(dag_run) -> dict[str, str]:
-    """Task id -> state; a mapped task's state is the set of its instances' states."""
-    got: dict[str, set] = {}
-    for ti in dag_run.get_task_instances():
-        got.setdefault(ti.task_id, set()).add(ti.state)
-    return {task: ",".join(sorted(s)) for task, s in got.items()}
-
-
-def run_dir_of(conf, dag_run) -> Path:
-    from dflash_regen.config import safe_run_id
-
-    return Path(conf["output_root"]) / "runs" / safe_run_id(dag_run.run_id)
+from dag_helpers import run_dir_of, states
 
 
 def test_demo_dag_runs_green_on_seven_emulated_servers(dag, run_params, no_leftover_servers):
