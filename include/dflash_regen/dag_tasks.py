@@ -23,6 +23,7 @@ from dflash_regen.demo_model import write_demo_model
 from dflash_regen.demo_prompts import write_demo_prompts
 from dflash_regen.errors import ConfigError, GateFailed, PublishRefused, StagingError
 from dflash_regen.prompts import PromptSourceError
+from dflash_regen.tokenize import TokenizeError
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +33,7 @@ def fail_fast(fn):
     def wrapper(*args, **kwargs):
         try:
             return fn(*args, **kwargs)
-        except (ConfigError, GateFailed, StagingError, PromptSourceError, PublishRefused) as exc:
+        except (ConfigError, GateFailed, StagingError, PromptSourceError, PublishRefused, TokenizeError) as exc:
             raise AirflowFailException(f"{type(exc).__name__}: {exc}") from exc
 
     return wrapper
@@ -133,6 +134,7 @@ def generate(params: dict, run_id: str, shard: dict) -> dict:
         lease.release()
 
 
+@fail_fast
 def tokenize_shard(params: dict, run_id: str, generated: dict) -> dict:
     cfg = RunConfig.from_params(params, run_id)
     shard = generated["shard"]

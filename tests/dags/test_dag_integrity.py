@@ -93,3 +93,16 @@ def test_trigger_form_rejects_bad_values(dag, name, value, message):
     params = copy.deepcopy(dag.params)
     with pytest.raises(ParamValidationError, match=message):
         params[name] = value
+
+
+def test_parsing_the_dag_does_not_import_heavy_libraries():
+    """The DAG file is parsed by every Airflow component, often: GX, transformers and the emulator stay lazy."""
+    import subprocess
+    import sys
+
+    code = ("import runpy, sys; runpy.run_path(sys.argv[1]); "
+            "print(sorted(m for m in ('great_expectations', 'transformers', 'fastapi', 'dflash_regen.emulator') "
+            "if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", code, str(ROOT / "dags" / "dflash_regen.py")], capture_output=True,
+                          text=True, timeout=120, check=True)
+    assert done.stdout.strip().splitlines()[-1] == "[]"
