@@ -11,13 +11,24 @@ from __future__ import annotations
 import functools
 import json
 import logging
-import os
 from pathlib import Path
 
 import pyarrow.parquet as pq
 from airflow.sdk.exceptions import AirflowFailException
 
-from dflash_regen import fleet, generation, planning, probes, publish, quality, smoke, staging, tokenize, tokenized
+from dflash_regen import (
+    atomic,
+    fleet,
+    generation,
+    planning,
+    probes,
+    publish,
+    quality,
+    smoke,
+    staging,
+    tokenize,
+    tokenized,
+)
 from dflash_regen.config import DEMO_MODEL, DEMO_PROMPTS, RunConfig
 from dflash_regen.demo_model import write_demo_model
 from dflash_regen.demo_prompts import write_demo_prompts
@@ -40,11 +51,8 @@ def fail_fast(fn):
 
 
 def write_report(cfg: RunConfig, name: str, report: dict) -> Path:
-    cfg.reports_dir.mkdir(parents=True, exist_ok=True)
     path = cfg.reports_dir / f"{name}.json"
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(report, indent=1, sort_keys=True, default=str))
-    os.replace(tmp, path)
+    atomic.write_json(path, report)
     return path
 
 

@@ -7,9 +7,10 @@ Deterministic: the same call writes the same file, so demo runs and tests are re
 from __future__ import annotations
 
 import json
-import os
 import random
 from pathlib import Path
+
+from dflash_regen import atomic
 
 CODING = ["Write a Python function to check if a number is prime.",
           "Implement an LRU cache in Python without functools.",
@@ -65,8 +66,5 @@ def demo_rows(n: int = 120, seed: int = 0) -> list[dict]:
 
 
 def write_demo_prompts(path: Path, n: int = 120) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in demo_rows(n)))
-    os.replace(tmp, path)
+    atomic.write_lines(path, [json.dumps(r, ensure_ascii=False) for r in demo_rows(n)])
     return path

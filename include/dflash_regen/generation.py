@@ -28,11 +28,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import requests
 
+from dflash_regen import atomic
 from dflash_regen.client import ChatResult, PromptError, TransientError, make_session, stream_chat
 from dflash_regen.config import GenerationSettings
 from dflash_regen.errors import DflashError
 from dflash_regen.fleet import Server, healthy_servers, is_alive, mark_unhealthy
-from dflash_regen.planning import QUARANTINE_SCHEMA, write_table_atomic
+from dflash_regen.planning import QUARANTINE_SCHEMA
 
 log = logging.getLogger(__name__)
 
@@ -113,7 +114,7 @@ def read_done(folder: Path, target: Path) -> set[str]:
 def write_part(folder: Path, rows: list[dict], schema: pa.Schema) -> None:
     if rows:
         table = pa.Table.from_pylist(rows, schema=schema)
-        write_table_atomic(table, folder / f"part-{time.time_ns():020d}-{uuid.uuid4().hex[:8]}.parquet")
+        atomic.write_table(table, folder / f"part-{time.time_ns():020d}-{uuid.uuid4().hex[:8]}.parquet")
 
 
 def merge_parts(folder: Path, target: Path, schema: pa.Schema) -> int:
@@ -125,7 +126,7 @@ def merge_parts(folder: Path, target: Path, schema: pa.Schema) -> int:
     seen: set = set()
     keep = [i for i, sid in enumerate(ids) if not (sid in seen or seen.add(sid))]
     table = table.take(pa.array(keep, pa.int64())) if len(keep) != len(ids) else table
-    write_table_atomic(table, target)
+    atomic.write_table(table, target)
     for p in sources:
         if p != target:
             p.unlink()

@@ -11,12 +11,11 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 from pathlib import Path
 
 import pyarrow as pa
-import pyarrow.parquet as pq
 
+from dflash_regen import atomic
 from dflash_regen.config import PlanSettings
 from dflash_regen.errors import ConfigError
 from dflash_regen.prompts import Prompt, Rejection, iter_raw, parse_row, source_files
@@ -46,20 +45,6 @@ def fingerprint(source: Path, settings: PlanSettings) -> str:
         st = path.stat()
         h.update(f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}\n".encode())
     return h.hexdigest()
-
-
-def write_table_atomic(table: pa.Table, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    pq.write_table(table, tmp)
-    os.replace(tmp, path)
-
-
-def write_json_atomic(data, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
-    os.replace(tmp, path)
 
 
 class _TokenCounter:
@@ -106,7 +91,7 @@ def plan_shards(source: Path, shards_dir: Path, quarantine_path: Path, settings:
                           "tools": [json.dumps(p.tools, ensure_ascii=False) if p.tools else None for p, _ in rows],
                           "location": [p.location for p, _ in rows],
                           "prompt_tokens": [n for _, n in rows]}, schema=SHARD_SCHEMA)
-        write_table_atomic(table, path)
+        atomic.write_table(table, path)
         shards.append({"shard": index, "path": str(path), "prompts": len(rows),
                        "label": shard_label(index, len(rows))})
         rows.clear()
@@ -136,7 +121,7 @@ def plan_shards(source: Path, shards_dir: Path, quarantine_path: Path, settings:
     if rows:
         flush()
 
-    write_table_atomic(pa.table({"location": [r.location for r in rejected],
+    atomic.write_table(pa.table({"location": [r.location for r in rejected],
                                  "stage": ["plan"] * len(rejected),
                                  "reason": [r.reason for r in rejected],
                                  "detail": [r.detail for r in rejected],
@@ -161,7 +146,7 @@ def plan_shards(source: Path, shards_dir: Path, quarantine_path: Path, settings:
     for stale in shards_dir.glob("shard-*.parquet"):  # from an earlier plan of a different input
         if int(stale.stem.split("-")[1]) >= len(shards):
             stale.unlink()
-    write_json_atomic(plan, plan_path)
+    atomic.write_json(plan_path, plan)
     log.info("planned %d shards from %d rows: %d accepted, %d quarantined %s", len(shards), total, accepted,
              len(rejected), by_reason)
     return plan

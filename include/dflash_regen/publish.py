@@ -22,6 +22,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from dflash_regen import atomic
 from dflash_regen.errors import PublishRefused
 
 log = logging.getLogger(__name__)
@@ -135,8 +136,6 @@ def publish_run(run_dir: Path, dest: Path, plan: dict, quality: dict, config: di
     """Filter the run's tokenized shards and conversations to the kept samples, then publish atomically."""
     import pyarrow.compute as pc
 
-    from dflash_regen.planning import write_table_atomic
-
     dropped = _ids(run_dir / "quality" / "quarantine.parquet")
     final = run_dir / "final"
     final.mkdir(parents=True, exist_ok=True)
@@ -146,16 +145,14 @@ def publish_run(run_dir: Path, dest: Path, plan: dict, quality: dict, config: di
         table = pq.read_table(path)
         table = table.filter(pc.invert(pc.is_in(table.column("sample_id"), pa.array(sorted(dropped), pa.string()))))
         out = final / path.name
-        write_table_atomic(table, out)
+        atomic.write_table(table, out)
         tokenized.append(out)
         published += table.num_rows
         lines = (run_dir / "tokenized" / path.name.replace("shard-", "conversations-").replace(".parquet", ".jsonl")
                  ).read_text().splitlines()
         kept = [line for line in lines if json.loads(line)["id"] not in dropped]
         conv = final / f"conversations-{path.stem.split('-')[1]}.jsonl"
-        tmp = conv.with_name(f".{conv.name}.tmp")
-        tmp.write_text("".join(line + "\n" for line in kept))
-        os.replace(tmp, conv)
+        atomic.write_lines(conv, kept)
         conversations.append(conv)
 
     failure_files = sorted((run_dir / "failures").glob("*.parquet"))

@@ -15,6 +15,8 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
+from dflash_regen import atomic
+
 log = logging.getLogger(__name__)
 
 SUMMARY_COLUMNS = ("sample_id", "n_tokens", "mask_len", "loss_mask_sum", "finish_reason", "content_chars",
@@ -155,11 +157,9 @@ def validate_run(run_dir: Path, expected_rows: int, s: QualitySettings, docs_dir
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from dflash_regen.planning import write_table_atomic
-
     rows = [r for p in sorted((run_dir / "tokenized").glob("summary-*.parquet")) for r in pq.read_table(p).to_pylist()]
     kept, quarantined = apply_row_rules(rows, s)
-    write_table_atomic(pa.Table.from_pylist(quarantined, schema=pa.schema([("sample_id", pa.string()),
+    atomic.write_table(pa.Table.from_pylist(quarantined, schema=pa.schema([("sample_id", pa.string()),
                                                                             ("reason", pa.string())])),
                        run_dir / "quality" / "quarantine.parquet")
     report = run_suite(rows, expected_rows, s, docs_dir)

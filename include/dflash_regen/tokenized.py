@@ -11,15 +11,13 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import time
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from dflash_regen import conversation
-from dflash_regen.planning import write_table_atomic
+from dflash_regen import atomic, conversation
 from dflash_regen.quality import repetition_score
 from dflash_regen.tokenize import summarize_mask, tokenize_sample
 
@@ -71,11 +69,9 @@ def tokenize_shard(prompts_path: Path, completions_path: Path, out_dir: Path, sh
             "history_from_input": _input_turns_after_last_user(json.loads(prompt["messages"])),
         })
         records.append(json.dumps(conversation.specforge_record(row["sample_id"], turns, tools), ensure_ascii=False))
-    write_table_atomic(pa.Table.from_pylist(tokenized, schema=TOKENIZED_SCHEMA), tokens_path)
-    write_table_atomic(pa.Table.from_pylist(summary, schema=SUMMARY_SCHEMA), summary_path)
-    tmp = conv_path.with_name(f".{conv_path.name}.tmp")
-    tmp.write_text("".join(r + "\n" for r in records))
-    os.replace(tmp, conv_path)
+    atomic.write_table(pa.Table.from_pylist(tokenized, schema=TOKENIZED_SCHEMA), tokens_path)
+    atomic.write_table(pa.Table.from_pylist(summary, schema=SUMMARY_SCHEMA), summary_path)
+    atomic.write_lines(conv_path, records)
     n_tokens = sum(r["n_tokens"] for r in tokenized)
     seconds = time.monotonic() - started
     log.info("shard %d: tokenized %d samples, %d tokens in %.1f s (%.0f tok/s)", shard, len(tokenized), n_tokens,
