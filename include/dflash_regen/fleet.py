@@ -65,7 +65,7 @@ def spec_path(fleet_dir: Path, index: int) -> Path:
 
 def ensure_api_key(fleet_dir: Path) -> str:
     """The key from the environment (a deployment secret) or a fresh random one, kept 0600 in the fleet dir."""
-    key = os.environ.get(API_KEY_ENV) or secrets.token_urlsafe(24)
+    key = os.environ.get(API_KEY_ENV) or secrets.token_hex(24)
     fleet_dir.mkdir(parents=True, exist_ok=True)
     path = fleet_dir / API_KEY_FILE
     tmp = path.with_name(path.name + ".tmp")
@@ -103,7 +103,8 @@ def plan_servers(cfg: FleetConfig, model_path: Path, fleet_dir: Path, api_key: s
     servers = []
     for i in range(cfg.num_servers):
         argv = [*cfg.server_argv, "--model-path", str(model_path), "--served-model-name", cfg.served_model_name,
-                "--host", cfg.host, "--port", str(cfg.port(i)), "--api-key", api_key, *cfg.flags]
+                # '=' form: a key that starts with '-' would otherwise read as a flag to argparse.
+                "--host", cfg.host, "--port", str(cfg.port(i)), f"--api-key={api_key}", *cfg.flags]
         servers.append(Server(i, cfg.gpu_ids[i], cfg.host, cfg.port(i), argv, str(fleet_dir / f"server-{i}.log")))
     return servers
 

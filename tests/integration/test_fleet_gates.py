@@ -101,7 +101,7 @@ def test_api_key_is_required_and_never_written_to_specs_or_log_tails(launch):
     assert requests.get(f"{url}/v1/models", timeout=5).status_code == 401
     assert requests.get(f"{url}/v1/models", timeout=5, headers={"Authorization": f"Bearer {key}"}).ok
     spec = (cfg.fleet_dir / "server-0.json").read_text()
-    assert key not in spec and fleet.REDACTED in json.loads(spec)["argv"]
+    assert key not in spec and f"--api-key={fleet.REDACTED}" in json.loads(spec)["argv"]
     assert key not in fleet.log_tail(servers[0].log_path, key, lines=1000)
     assert (cfg.fleet_dir / "api_key").stat().st_mode & 0o077 == 0
 
@@ -126,3 +126,10 @@ def test_stop_never_kills_a_recycled_pid(tmp_path):
         assert proc.wait(5) is not None
     finally:
         proc.kill()
+
+
+def test_an_api_key_that_looks_like_a_flag_still_launches(launch, monkeypatch):
+    monkeypatch.setenv(fleet.API_KEY_ENV, "-starts-with-a-dash")
+    _, servers, key = launch(num_servers=1)
+    assert key == "-starts-with-a-dash"
+    assert requests.get(f"{servers[0].url}/v1/models", timeout=5, headers={"Authorization": f"Bearer {key}"}).ok
