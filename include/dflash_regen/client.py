@@ -50,17 +50,21 @@ def make_session(pool_size: int) -> requests.Session:
     return session
 
 
-def _error_message(resp: requests.Response) -> str:
-    try:
-        body = resp.json()
-    except ValueError:
-        return resp.text[:300]
+def _error_text(body) -> str:
+    """The message of an SGLang error body: flat `{"message": ...}`, `{"error": {...}}` or `{"error": "..."}`."""
     if isinstance(body, dict):
         err = body.get("error", body)
         if isinstance(err, dict):
             return str(err.get("message") or err)[:500]
         return str(body.get("message") or err)[:500]
     return str(body)[:300]
+
+
+def _error_message(resp: requests.Response) -> str:
+    try:
+        return _error_text(resp.json())
+    except ValueError:
+        return resp.text[:300]
 
 
 def _merge_tool_call(calls: list[dict], delta: dict) -> None:
@@ -103,7 +107,7 @@ def stream_chat(session: requests.Session, base_url: str, api_key: str, payload:
                     break
                 chunk = json.loads(data)
                 if "error" in chunk:
-                    raise TransientError(f"server aborted the stream: {_error_message_of(chunk)}")
+                    raise TransientError(f"server aborted the stream: {_error_text(chunk)}")
                 if chunk.get("usage"):
                     result.usage = chunk["usage"]
                 for choice in chunk.get("choices") or []:
@@ -129,8 +133,3 @@ def stream_chat(session: requests.Session, base_url: str, api_key: str, payload:
         raise TransientError("stream ended without a finish_reason")
     result.latency_s = time.monotonic() - started
     return result
-
-
-def _error_message_of(chunk: dict) -> str:
-    err = chunk.get("error")
-    return str(err.get("message") if isinstance(err, dict) else err)[:300]
