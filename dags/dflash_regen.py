@@ -31,6 +31,9 @@ FLEET, GATES, PROMPTS, SAMPLING, DISPATCH, QUALITY, OUTPUT, EMULATOR = (
 DATASET = Asset(name="dflash_regen_dataset", uri="file:///dflash-regen/published")
 # Shard tasks running at once; each leases one server, so more than the fleet size would only wait.
 PARALLEL_SHARDS = int(os.environ.get("DFLASH_PARALLEL_SHARDS", "7"))
+# A run works on one GPU node's RAM disk and loopback servers, so all its tasks go to that node's Celery
+# queue (one queue per node, see docker-compose.yaml); unset = Airflow's default queue, as in the demo.
+NODE_QUEUE = {"queue": os.environ["DFLASH_WORKER_QUEUE"]} if os.environ.get("DFLASH_WORKER_QUEUE") else {}
 
 PARAMS = {
     "model_source_dir": Param(D["model_source_dir"], type="string", minLength=1, section=FLEET,
@@ -145,7 +148,7 @@ PARAMS = {
     doc_md=__doc__,
     tags=["dflash", "sglang", "data"],
     params=PARAMS,
-    default_args={"retries": 1, "retry_delay": dt.timedelta(seconds=10)},
+    default_args={"retries": 1, "retry_delay": dt.timedelta(seconds=10), **NODE_QUEUE},
 )
 def dflash_regen():
     @task
