@@ -33,6 +33,9 @@ DATASET = Asset(name="dflash_regen_dataset", uri="file:///dflash-regen/published
 PARALLEL_SHARDS = int(os.environ.get("DFLASH_PARALLEL_SHARDS", "7"))
 # A failed shard is retried on another server; 0 leaves failed shards for a human to clear (UI tests do).
 GENERATE_RETRIES = int(os.environ.get("DFLASH_GENERATE_RETRIES", "3"))
+# A run works on one GPU node's RAM disk and loopback servers, so all its tasks go to that node's Celery
+# queue (one queue per node, see docker-compose.yaml); unset = Airflow's default queue, as in the demo.
+NODE_QUEUE = {"queue": os.environ["DFLASH_WORKER_QUEUE"]} if os.environ.get("DFLASH_WORKER_QUEUE") else {}
 
 PARAMS = {
     "model_source_dir": Param(D["model_source_dir"], type="string", minLength=1, section=FLEET,
@@ -149,7 +152,7 @@ PARAMS = {
     doc_md=__doc__,
     tags=["dflash", "sglang", "data"],
     params=PARAMS,
-    default_args={"retries": 1, "retry_delay": dt.timedelta(seconds=10)},
+    default_args={"retries": 1, "retry_delay": dt.timedelta(seconds=10), **NODE_QUEUE},
 )
 def dflash_regen():
     @task
