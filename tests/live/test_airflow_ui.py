@@ -227,7 +227,7 @@ def test_user_triggers_from_the_form_clears_the_failed_shard_and_reads_the_repor
     report.get_by_text("validations/").first.wait_for()  # the offline page list
     page.screenshot(path=screenshots / "06-data-docs.png", full_page=True)
 
-    page.get_by_role("link", name="Fleet").click()
+    page.get_by_role("link", name="Fleet", exact=True).click()
     fleet = page.frame_locator("iframe").first
     fleet.locator("#servers").wait_for()
     assert fleet.locator("#servers tr").count() == 1 + 7  # header + every server
