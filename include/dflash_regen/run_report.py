@@ -106,17 +106,24 @@ def quarantine_by_stage(run: Path) -> dict[str, dict[str, int]]:
     return out
 
 
-def histogram(values: list[int], bins: int = HISTOGRAM_BINS) -> list[dict]:
-    """Integer-aligned bins (so a spike at exactly 6 tokens stays visible as its own bar)."""
+def histogram(values: list[int], bins: int = HISTOGRAM_BINS, split_at: int | None = None) -> list[dict]:
+    """Integer-aligned equal-width bins; values at or below `split_at` get a bin of their own, so the
+    empty-answer spike (loss masks of <= 6 tokens) is one bar, never blended with real answers."""
+    out = []
+    if split_at is not None:
+        low = [v for v in values if v <= split_at]
+        values = [v for v in values if v > split_at]
+        if low:
+            out.append({"start": min(low), "end": split_at, "count": len(low)})
     if not values:
-        return []
+        return out
     lo, hi = min(values), max(values)
     width = max(1, -(-(hi - lo + 1) // bins))
     counts: dict[int, int] = {}
     for v in values:
         start = lo + (v - lo) // width * width
         counts[start] = counts.get(start, 0) + 1
-    return [{"start": s, "end": s + width - 1, "count": counts.get(s, 0)} for s in range(lo, hi + 1, width)]
+    return out + [{"start": s, "end": s + width - 1, "count": counts.get(s, 0)} for s in range(lo, hi + 1, width)]
 
 
 def quality_report(run: Path) -> dict:
@@ -141,7 +148,8 @@ def quality_report(run: Path) -> dict:
         "quarantined_by_stage": by_stage,
         "expectations": expectations, "statistics": (quality or {}).get("statistics", {}),
         "loss_mask": {"samples": len(masks), "empty_at_or_below": empty_at,
-                      "empty": sum(1 for m in masks if m <= empty_at), "histogram": histogram(masks)},
+                      "empty": sum(1 for m in masks if m <= empty_at),
+                      "histogram": histogram(masks, split_at=empty_at)},
         "data_docs": docs.is_file(),
     }
 
