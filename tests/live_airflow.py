@@ -13,10 +13,14 @@ import secrets
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
+import pyarrow.parquet as pq
 import requests
+
+from dflash_regen.config import safe_run_id
 
 ROOT = Path(__file__).resolve().parents[1]
 AIRFLOW = str(Path(sys.executable).parent / "airflow")
@@ -53,6 +57,7 @@ class LiveAirflow:
             "AIRFLOW__SCHEDULER__TASK_INSTANCE_HEARTBEAT_TIMEOUT": "60",
             **extra_env,
         }
+        self.output_root = Path(extra_env["DFLASH_OUTPUT_ROOT"])  # where the DAG's runs land by default
         self._token: str | None = None
 
     # ------------------------------------------------------------------------------------------ lifecycle
@@ -150,6 +155,15 @@ class LiveAirflow:
         raise AssertionError(f"run {run_id} still {self.run_state(run_id)} after {timeout_s:.0f} s; tasks: "
                              f"{self.task_states(run_id)}\n{self.log_tail('scheduler')}")
 
+    def wait_settled(self, run_id: str, timeout_s: float = 120) -> dict[str, str]:
+        """Wait until no task of the run is still going (a run can be 'failed' while its teardown runs)."""
+        deadline = time.monotonic() + timeout_s
+        while (states := self.task_states(run_id)) and time.monotonic() < deadline:
+            if not set(states.values()) & {"running", "queued", "scheduled", "up_for_retry", "restarting", None}:
+                return states
+            time.sleep(1)
+        raise AssertionError(f"run {run_id} did not settle in {timeout_s:.0f} s: {states}")
+
     def task_instances(self, run_id: str) -> list[dict]:
         r = self.api("GET", f"/api/v2/dags/{DAG_ID}/dagRuns/{run_id}/taskInstances", params={"limit": 500})
         return r.json()["task_instances"]
@@ -164,3 +178,53 @@ class LiveAirflow:
                      params={"map_index": map_index, "full_content": True}, headers={"Accept": "application/json"})
         content = r.json()["content"]
         return "\n".join(e.get("event", "") if isinstance(e, dict) else str(e) for e in content)
+
+
+# ------------------------------------------------------------------------------------ fixtures and helpers
+# Slow enough that a shard takes seconds (so a fault can land in the middle of it), fast enough for CI.
+LIVE_PROFILE = {"decode_tokens_per_s": 600, "startup_s": 0.1}
+
+
+def run_dir(af: LiveAirflow, run_id: str) -> Path:
+    return af.output_root / "runs" / safe_run_id(run_id)
+
+
+def kill_in_the_middle_of_shard(folder: Path, shard: int, victim: str, timeout_s: float = 240) -> threading.Thread:
+    """SIGKILL a server ('server') or a shard task ('task') once shard `shard` has checkpointed some results.
+
+    Runs in the background; the thread's `.killed` holds what was killed and how many results were on disk.
+    """
+    def wait_and_kill():
+        deadline = time.monotonic() + timeout_s
+        parts = folder / "completions" / f"shard-{shard:05d}"
+        while time.monotonic() < deadline:
+            done = sum(pq.read_metadata(p).num_rows for p in sorted(parts.glob("*.parquet"))) \
+                if parts.is_dir() else 0
+            leases = [p for p in (folder / "fleet").glob("lease-*.lock")
+                      if p.read_text().startswith(f"shard {shard} pid ")]  # who holds the shard's server
+            if done and leases:
+                server = int(leases[0].stem.split("-")[1])
+                if victim == "server":
+                    pid = json.loads((folder / "fleet" / f"server-{server}.json").read_text())["pid"]
+                else:
+                    pid = int(leases[0].read_text().split("pid")[1])
+                os.kill(pid, signal.SIGKILL)
+                thread.killed = {"victim": victim, "pid": pid, "results_on_disk": done}
+                return
+            time.sleep(0.05)
+        thread.killed = None
+
+    thread = threading.Thread(target=wait_and_kill, daemon=True)
+    thread.killed = None
+    thread.start()
+    return thread
+
+
+def published_manifest(af: LiveAirflow, run_id: str, dataset: str) -> dict:
+    version = af.output_root / "published" / dataset / safe_run_id(run_id)
+    return json.loads((version / "manifest.json").read_text())
+
+
+def completion_ids(folder: Path) -> list[str]:
+    return [sid for p in sorted((folder / "completions").glob("shard-*.parquet"))
+            for sid in pq.read_table(p, columns=["sample_id"]).column("sample_id").to_pylist()]

@@ -7,102 +7,28 @@ leaves a failed shard for the test to clear, as a person would. Screenshots go t
 
 from __future__ import annotations
 
-import json
-import os
 import re
-import signal
-import threading
-import time
 from pathlib import Path
 from urllib.parse import quote, unquote
 
-import pyarrow.parquet as pq
 import pytest
-from conftest import ROOT, free_port_block, processes_mentioning
-from live_airflow import LiveAirflow
-
-from dflash_regen.config import safe_run_id
+from conftest import ROOT
+from live_airflow import (
+    LiveAirflow,
+    completion_ids,
+    kill_in_the_middle_of_shard,
+    published_manifest,
+    run_dir,
+)
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
                  "--disable-sync", "--no-first-run"]
-# Slow enough that a shard takes seconds (so a fault can land in the middle of it), fast enough for CI.
-LIVE_PROFILE = {"decode_tokens_per_s": 600, "startup_s": 0.1}
-
-
-@pytest.fixture(scope="module")
-def live_airflow(tmp_path_factory):
-    """One Airflow for the live tests; failed shards are not retried, so a test can clear them itself."""
-    tmp = tmp_path_factory.mktemp("live")
-    af = LiveAirflow(tmp / "airflow-home", free_port_block(3), {
-        "DFLASH_OUTPUT_ROOT": str(tmp / "out"),
-        "DFLASH_STAGING_DIR": str(tmp / "shm" / "model"),
-        "DFLASH_BASE_PORT": str(free_port_block(7)),
-        "DFLASH_EMULATOR_PROFILE": json.dumps(LIVE_PROFILE),
-        "DFLASH_GENERATE_RETRIES": "0",
-    })
-    af.output_root = tmp / "out"
-    try:
-        af.start()
-        yield af
-    finally:
-        af.stop()
-        left = processes_mentioning(str(tmp))
-        for pid in left:
-            os.kill(pid, signal.SIGKILL)
-        assert not left, f"processes left running after the live tests: {left}"
-
-
 @pytest.fixture(scope="session")
 def screenshots():
     folder = ROOT / "test-output" / "browser"
     folder.mkdir(parents=True, exist_ok=True)
     return folder
-
-
-def run_dir(af: LiveAirflow, run_id: str) -> Path:
-    return af.output_root / "runs" / safe_run_id(run_id)
-
-
-def kill_in_the_middle_of_shard(folder: Path, shard: int, victim: str, timeout_s: float = 240) -> threading.Thread:
-    """SIGKILL a server ('server') or a shard task ('task') once shard `shard` has checkpointed some results.
-
-    Runs in the background; the thread's `.killed` holds what was killed and how many results were on disk.
-    """
-    def wait_and_kill():
-        deadline = time.monotonic() + timeout_s
-        parts = folder / "completions" / f"shard-{shard:05d}"
-        while time.monotonic() < deadline:
-            done = sum(pq.read_metadata(p).num_rows for p in sorted(parts.glob("*.parquet"))) \
-                if parts.is_dir() else 0
-            leases = [p for p in (folder / "fleet").glob("lease-*.lock")
-                      if p.read_text().startswith(f"shard {shard} pid ")]  # who holds the shard's server
-            if done and leases:
-                server = int(leases[0].stem.split("-")[1])
-                if victim == "server":
-                    pid = json.loads((folder / "fleet" / f"server-{server}.json").read_text())["pid"]
-                else:
-                    pid = int(leases[0].read_text().split("pid")[1])
-                os.kill(pid, signal.SIGKILL)
-                thread.killed = {"victim": victim, "pid": pid, "results_on_disk": done}
-                return
-            time.sleep(0.05)
-        thread.killed = None
-
-    thread = threading.Thread(target=wait_and_kill, daemon=True)
-    thread.killed = None
-    thread.start()
-    return thread
-
-
-def published_manifest(af: LiveAirflow, run_id: str, dataset: str) -> dict:
-    version = af.output_root / "published" / dataset / safe_run_id(run_id)
-    return json.loads((version / "manifest.json").read_text())
-
-
-def completion_ids(folder: Path) -> list[str]:
-    return [sid for p in sorted((folder / "completions").glob("shard-*.parquet"))
-            for sid in pq.read_table(p, columns=["sample_id"]).column("sample_id").to_pylist()]
 
 
 # ------------------------------------------------------------------------------------------------ the plugin
@@ -179,7 +105,7 @@ def test_user_triggers_from_the_form_clears_the_failed_shard_and_reads_the_repor
     assert af.wait_run(run_id, timeout_s=600) == "failed"
     killer.join(1)
     assert killer.killed, "the fault never fired: shard 2 checkpointed nothing while its server ran"
-    states = af.task_states(run_id)
+    states = af.wait_settled(run_id)
     assert states["generate[2]"] == "failed", states
     assert all(states[f"generate[{i}]"] == "success" for i in (0, 1, 3, 4, 5)), states
     assert states["publish"] == "upstream_failed" and states["stop_fleet"] == "success", states
@@ -247,7 +173,7 @@ def test_rest_clear_of_one_mapped_shard_after_its_task_process_was_killed(live_a
     assert af.wait_run(run_id, timeout_s=600) == "failed"
     killer.join(1)
     assert killer.killed, "the fault never fired"
-    states = af.task_states(run_id)
+    states = af.wait_settled(run_id)
     assert states["generate[1]"] == "failed", states
 
     body = {"dag_run_id": run_id, "task_ids": [["generate", 1]], "only_failed": False,
