@@ -49,7 +49,8 @@ def test_9_node_dies_mid_run_and_the_same_run_id_resumes_without_redoing_work(li
     kept = results_on_disk(folder)
     assert af.run_state(run_id) == "running"
 
-    # The operator brings the node back and triggers the same run id again.
+    # The operator marks the dead run failed, deletes it, brings the node back, triggers the same run id.
+    af.api("PATCH", f"/api/v2/dags/dflash_regen/dagRuns/{run_id}", json={"state": "failed"})
     af.api("DELETE", f"/api/v2/dags/dflash_regen/dagRuns/{run_id}")
     af.start_component("scheduler")
     af.trigger(run_id, conf)
