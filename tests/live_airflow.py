@@ -28,6 +28,22 @@ DAG_ID = "dflash_regen"
 FINISHED = {"success", "failed"}
 
 
+def descendants(pid: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
 class LiveAirflow:
     def __init__(self, home: Path, port: int, extra_env: dict[str, str]):
         self.home, self.port = home, port
@@ -78,12 +94,14 @@ class LiveAirflow:
         log.close()
 
     def kill_component(self, name: str) -> None:
-        """SIGKILL a component's whole process group (the scheduler's group holds its task processes)."""
+        """SIGKILL a component and every process under it: task processes run in process groups of their
+        own (the Task SDK's setpgid), so killing the component's group alone would leave them running."""
         proc = self.procs.pop(name)
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        for pid in [proc.pid, *descendants(proc.pid)]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         proc.wait(timeout=30)
 
     def wait_ready(self, timeout_s: float) -> None:
