@@ -17,7 +17,7 @@ setsid airflow standalone >"$LOG" 2>&1 &
 PID=$!
 # standalone's scheduler can hang on an idle worker at shutdown (cookbook §1b): TERM, then KILL the group.
 trap 'kill -TERM -- -$PID 2>/dev/null; sleep 10; kill -KILL -- -$PID 2>/dev/null; exit 0' INT TERM
-for _ in $(seq 120); do
+for _ in $(seq 300); do
   curl -fs "http://127.0.0.1:$PORT/api/v2/monitor/health" 2>/dev/null | grep -q '"scheduler":{"status":"healthy"' && break
   kill -0 "$PID" 2>/dev/null || { tail -30 "$LOG"; exit 1; }
   sleep 1
