@@ -208,8 +208,11 @@ class _Level:
         for t in threads:
             t.start()
         # While the batch fills (prefills) the rate is not this level's; a KV-bound server never fills it.
-        while not self.stop.is_set() and time.monotonic() - started < WARMUP_S \
-                and read_metrics(self.session, self.server.url)[1] < self.concurrency:
+        fill_s = None
+        while not self.stop.is_set() and time.monotonic() - started < WARMUP_S:
+            if read_metrics(self.session, self.server.url)[1] >= self.concurrency:
+                fill_s = time.monotonic() - started
+                break
             time.sleep(SAMPLE_EVERY_S)
         t0, tokens0 = time.monotonic(), read_metrics(self.session, self.server.url)[0]
         running: list[float] = []
@@ -234,7 +237,8 @@ class _Level:
         return {"concurrency": self.concurrency,
                 "running": round(float(np.mean(measured)) if measured else float(self.concurrency), 2),
                 "seconds": round(seconds, 2), "output_tokens": int(tokens1 - tokens0),
-                "tok_s": round((tokens1 - tokens0) / seconds, 1), "total_s": round(time.monotonic() - started, 2)}
+                "tok_s": round((tokens1 - tokens0) / seconds, 1), "total_s": round(time.monotonic() - started, 2),
+                "fill_s": round(fill_s, 2) if fill_s is not None else None}
 
 
 def measure_server(server: Server, api_key: str, settings: GenerationSettings, prompts: list[dict],
@@ -262,6 +266,8 @@ def measure_server(server: Server, api_key: str, settings: GenerationSettings, p
         log.info("  concurrency %3d: %6.1f running, %8.1f output tok/s over %.1f s", lv["concurrency"],
                  lv["running"], lv["tok_s"], lv["seconds"])
     return {"server": server.name, "url": server.url, "slots": slots, "prompts": len(prompts),
+            # From a standing start the batch fills request by request (tokenize, prefill): a shard pays it once.
+            "fill_s": measured[-1]["fill_s"] or 0.0,
             "seconds": round(time.monotonic() - started, 1), "levels": measured,
             "output_tokens": lengths, "prompt_tokens": prompt_tokens, "finish_reasons": finish,
             "max_tokens": settings.max_tokens}
@@ -437,31 +443,41 @@ def makespan(durations: list[float], factors: list[float]) -> float:
     return end
 
 
-def predict(curve: Curve, lengths: np.ndarray, shape: RunShape, running: list[int], *, seed: int = 0,
-            reps: int = 6, draws: int = 400) -> dict:
-    """Wall time and GPU-hours of generating the run with `running[i]` requests at once on server i."""
+def predict(curve: Curve, lengths: np.ndarray, shape: RunShape, running: list[int], *, fill_s: float = 0.0,
+            seed: int = 0, reps: int = 16, draws: int = 200) -> dict:
+    """Wall time and GPU-hours of generating the run with `running[i]` requests at once on server i.
+
+    Each draw spreads shards whose durations are drawn from simulated shards (plus `fill_s`, the measured
+    time a server takes to fill its batch from a standing start), so a server that happens to get the long
+    shards is counted, with the curve drawn from the fit's covariance and the mean output
+    length from a bootstrap of the sample: the mean is the prediction, the percentiles its interval.
+    """
     rng = np.random.default_rng(seed)
-    shards = [shape.shard_size] * (shape.prompts // shape.shard_size)
+    sizes = [shape.shard_size] * (shape.prompts // shape.shard_size)
     if shape.prompts % shape.shard_size:
-        shards.append(shape.prompts % shape.shard_size)
+        sizes.append(shape.prompts % shape.shard_size)
     ref = max(set(running), key=running.count)
-    durations: dict[int, float] = {}
-    for size in set(shards):
-        durations[size] = float(np.mean([simulate_shard(rng.choice(lengths, size), ref, curve) for _ in range(reps)]))
+    simulated = {size: fill_s + np.array([simulate_shard(rng.choice(lengths, size), ref, curve)
+                                          for _ in range(reps)]) for size in set(sizes)}
     # Other batch sizes (a server with fewer slots or less KV) scale with the aggregate rate.
     factors = [curve.aggregate(ref) / curve.aggregate(r) for r in running]
-    wall = makespan([durations[s] for s in shards], factors)
-    # Uncertainty: the fit's parameters (normal, from its covariance) and the length sample (bootstrap).
+    picks = {size: rng.choice(simulated[size], size=(draws, sizes.count(size))) for size in simulated}
+    walls = np.empty(draws)
+    for d in range(draws):
+        taken = {size: iter(picks[size][d]) for size in picks}
+        walls[d] = makespan([next(taken[size]) for size in sizes], factors)
     a_k = rng.multivariate_normal([curve.a, curve.k], np.array(curve.cov), size=draws, method="eigh")
     a_k = np.clip(a_k, [curve.a * 0.05, 0.0], None)
     rate_ratio = curve.aggregate(ref) / (ref / (a_k[:, 0] + a_k[:, 1] * ref))
     boot = rng.choice(lengths, size=(draws, len(lengths))).mean(axis=1) / lengths.mean()
-    lo, hi = np.percentile(wall * rate_ratio * boot, INTERVAL)
-    tok_s = sum(curve.aggregate(r) for r in running)
+    wall = float(walls.mean())
+    lo, hi = (float(x) for x in np.percentile(walls * rate_ratio * boot, INTERVAL))
+    servers = len(running)
     return {"running_per_server": ref, "tok_s_per_server": round(curve.aggregate(ref), 1),
-            "fleet_tok_s": round(tok_s, 1), "wall_s": round(wall, 1), "wall_s_interval": [round(lo, 1), round(hi, 1)],
-            "gpu_hours": round(wall * len(running) / 3600, 2),
-            "gpu_hours_interval": [round(lo * len(running) / 3600, 2), round(hi * len(running) / 3600, 2)],
+            "fleet_tok_s": round(sum(curve.aggregate(r) for r in running), 1),
+            "wall_s": round(wall, 1), "wall_s_interval": [round(lo, 1), round(hi, 1)],
+            "gpu_hours": round(wall * servers / 3600, 2),
+            "gpu_hours_interval": [round(lo * servers / 3600, 2), round(hi * servers / 3600, 2)],
             "requests_per_s_per_server": round(curve.aggregate(ref) / float(lengths.mean()), 4),
             "extrapolated": ref > curve.measured_up_to}
 
@@ -489,12 +505,15 @@ def plan_report(calibration: dict, mems: list[Memory], shape: RunShape, *, serve
     measured = mems
     mems = (mems * shape.servers)[:shape.servers]  # planning a bigger fleet: more of the same servers
     advice = advise(curve, mems, shape, request_tokens)
-    current = predict(curve, lengths, shape, [running_batch(m, shape, request_tokens)[0] for m in mems], seed=seed)
+    fill_s = calibration.get("fill_s", 0.0)
+    current = predict(curve, lengths, shape, [running_batch(m, shape, request_tokens)[0] for m in mems],
+                      fill_s=fill_s, seed=seed)
     scenarios = [{"name": "current", "server_flags": server_flags,
                   "concurrency_per_server": shape.concurrency_per_server or mems[0].running_slots, **current}]
     if advice["server_flags"] or advice["running_advised"] != advice["running_now"]:
         n = advice["running_advised"]
-        advised = predict(curve, lengths, shape, [n] * len(mems), seed=seed)
+        advised = predict(curve, lengths, shape, [n] * len(mems), fill_s=fill_s * n / advice["running_now"],
+                          seed=seed)
         flags = " ".join(x for x in (server_flags, advice["server_flags"]) if x)
         scenarios.append({"name": "advised", "server_flags": flags,
                           "concurrency_per_server": advice["concurrency_per_server_advised"], **advised})
