@@ -97,7 +97,7 @@ class Curve:
         x = np.column_stack([np.ones_like(b), b])
         coef, *_ = np.linalg.lstsq(x, tpot, rcond=None)
         a, k = float(coef[0]), float(coef[1])
-        if k <= 0:  # flat within noise: no measurable saturation up to the slot limit
+        if k * b.max() < 0.01 * a:  # per-token time flat within 1% up to the slot limit: no measurable ceiling
             return cls(a=float(tpot.mean()), k=0.0, measured_up_to=up_to)
         dof = len(b) - 2
         sigma2 = float(((x @ coef - tpot) ** 2).sum() / dof) if dof > 0 else 0.0
