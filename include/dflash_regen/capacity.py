@@ -204,17 +204,22 @@ class _Level:
         and the measurement ends when the last one is sent (the drain that follows is not steady state).
         """
         threads = [threading.Thread(target=self._worker, daemon=True) for _ in range(self.concurrency)]
+        tokens_start = read_metrics(self.session, self.server.url)[0]
         started = time.monotonic()
         for t in threads:
             t.start()
-        # While the batch fills (prefills) the rate is not this level's; a KV-bound server never fills it.
+        # While the batch fills (prefills) the rate is not this level's. A KV-bound server never fills it, and a
+        # very fast one may finish before a sample sees it full: then the level is measured from its start.
         fill_s = None
-        while not self.stop.is_set() and time.monotonic() - started < WARMUP_S:
+        while not self.stop.is_set() and not (window_s is None and self.drained.is_set()) \
+                and time.monotonic() - started < WARMUP_S:
             if read_metrics(self.session, self.server.url)[1] >= self.concurrency:
                 fill_s = time.monotonic() - started
                 break
             time.sleep(SAMPLE_EVERY_S)
-        t0, tokens0 = time.monotonic(), read_metrics(self.session, self.server.url)[0]
+        t0, tokens0 = started, tokens_start
+        if fill_s is not None:
+            t0, tokens0 = time.monotonic(), read_metrics(self.session, self.server.url)[0]
         running: list[float] = []
         while not self.stop.is_set():
             time.sleep(SAMPLE_EVERY_S)

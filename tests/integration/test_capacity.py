@@ -1,5 +1,6 @@
 """The capacity planner against real emulator processes with a known throughput curve."""
 
+import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -77,3 +78,29 @@ def test_a_kv_bound_server_is_named_kv_bound_with_flags_that_free_kv(launch, tmp
     assert report["advice"]["kv_tokens_advised"] > 8000
     current = report["scenarios"][0]
     assert current["running_per_server"] < 16
+
+
+def test_a_run_can_apply_the_advised_client_concurrency_and_its_eta_uses_the_calibrated_rate(launch, tmp_path,
+                                                                                              caplog):
+    from dflash_regen import dag_tasks
+    from dflash_regen.config import RunConfig
+
+    cfg, servers, key = launch(num_servers=1)  # the fast test profile: no saturation, 16 slots
+    plan = planned(cfg, tmp_path, 40, shard_size=20)
+    health = probes.health_gate(servers, key, cfg.fleet)
+    shape = capacity.RunShape(prompts=plan["accepted"], servers=1, shard_size=20)
+    report = capacity.calibrate(servers[0], key, health, plan["shards"], cfg.generation, shape, prompts=32)
+    dag_tasks.write_report(cfg, "capacity", report)
+    assert report["advice"]["concurrency_per_server"] == 18
+    params = {**cfg.params, "apply_advised_concurrency": True}
+    assert RunConfig.from_params(params, "test_run").capacity.apply_advised_concurrency
+    gen_log = logging.getLogger("dflash_regen.generation")
+    gen_log.addHandler(caplog.handler)  # importing Airflow stops this logger's records reaching the root
+    try:
+        with caplog.at_level("INFO", logger="dflash_regen.generation"):
+            result = dag_tasks.generate(params, "test_run", {**plan["shards"][0], "run_prompts": plan["accepted"]})
+    finally:
+        gen_log.removeHandler(caplog.handler)
+    assert result["completed"] == 20
+    assert "18 in flight" in caplog.text  # not the server's 16 slots
+    assert "(calibrated rate)" in caplog.text  # 20 results < two batches of 18: the shard's own rate is too young
