@@ -42,7 +42,7 @@ import pyarrow.parquet as pq
 import requests
 
 from dflash_regen import atomic
-from dflash_regen.client import Cancelled, ChatResult, make_session, stream_chat
+from dflash_regen.client import Cancelled, ChatResult, PromptError, TransientError, make_session, stream_chat
 from dflash_regen.config import GenerationSettings
 from dflash_regen.errors import DflashError
 from dflash_regen.fleet import Server
@@ -185,17 +185,25 @@ class _Level:
             tools = json.loads(row["tools"]) if row["tools"] else None
             payload = chat_payload(messages, tools, self.settings, sample_seed(row["sample_id"], self.settings.seed),
                                    self.settings.max_tokens)
-            try:
-                result = stream_chat(self.session, self.server.url, self.api_key, payload,
-                                     stall_s=self.settings.stall_s, cap_s=self.settings.request_cap_s, stop=self.stop)
-            except Cancelled:
-                return
-            except DflashError as exc:
-                self.errors.append(exc)
-                self.stop.set()
-                return
-            with self._lock:
-                self.results.append(result)
+            for attempt in range(self.settings.request_retries + 1):
+                try:
+                    result = stream_chat(self.session, self.server.url, self.api_key, payload,
+                                         stall_s=self.settings.stall_s, cap_s=self.settings.request_cap_s,
+                                         stop=self.stop)
+                except Cancelled:
+                    return
+                except PromptError:
+                    break  # the prompt's fault (planning would quarantine it in generate): measure the others
+                except TransientError as exc:
+                    if attempt == self.settings.request_retries:
+                        self.errors.append(exc)
+                        self.stop.set()
+                        return
+                    time.sleep(min(2.0**attempt, 10.0))
+                    continue
+                with self._lock:
+                    self.results.append(result)
+                break
 
     def run(self, window_s: float | None) -> dict:
         """One level: warm up until the server runs the whole batch (at most `WARMUP_S`), then measure.

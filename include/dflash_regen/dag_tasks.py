@@ -130,6 +130,10 @@ def calibrate(params: dict, run_id: str) -> dict:
         report = capacity.calibrate(lease.server, key, health, plan["shards"], cfg.generation, shape,
                                     prompts=cfg.capacity.calibration_prompts,
                                     server_flags=cfg.params.get("server_flags", ""))
+    except capacity.CapacityError as exc:
+        if not fleet.is_alive(lease.server):  # so the retry measures another server, as a shard's would
+            fleet.mark_unhealthy(cfg.fleet_dir, lease.server, str(exc))
+        raise
     finally:
         lease.release()
     write_report(cfg, "capacity", report)
