@@ -33,27 +33,34 @@ FLEET, GATES, PROMPTS, SAMPLING, DISPATCH, QUALITY, OUTPUT, EMULATOR = (
 DATASET = Asset(name="dflash_regen_dataset", uri="file:///dflash-regen/published")
 # Shard tasks running at once; each leases one server, so more than the fleet size would only wait.
 PARALLEL_SHARDS = int(os.environ.get("DFLASH_PARALLEL_SHARDS", "7"))
+# A failed shard is retried on another server; 0 leaves failed shards for a human to clear (UI tests do).
+GENERATE_RETRIES = int(os.environ.get("DFLASH_GENERATE_RETRIES", "3"))
+# A run works on one GPU node's RAM disk and loopback servers, so all its tasks go to that node's Celery
+# queue (one queue per node, see docker-compose.yaml); unset = Airflow's default queue, as in the demo.
+NODE_QUEUE = {"queue": os.environ["DFLASH_WORKER_QUEUE"]} if os.environ.get("DFLASH_WORKER_QUEUE") else {}
 
 PARAMS = {
     "model_source_dir": Param(D["model_source_dir"], type="string", minLength=1, section=FLEET,
                               title="Model source directory",
                               description="Directory with config.json and the weights (absolute path), or "
                                           "'demo' for the generated stand-in model."),
-    "staging_dir": Param(D["staging_dir"], type="string", section=FLEET, title="Staging directory",
+    "staging_dir": Param(D["staging_dir"], type=["null", "string"], section=FLEET, title="Staging directory",
                          description="Where the weights are copied before launch; empty = /dev/shm/<model name>."),
     "server_command": Param(D["server_command"], type="string", minLength=1, section=FLEET,
                             title="Server command",
                             description="'emulator', or SGLang's launcher from its own local venv, e.g. "
                                         "/opt/sglang-venv/bin/python -m sglang.launch_server (run without a shell).",
                             examples=["emulator", "/opt/sglang-venv/bin/python -m sglang.launch_server"]),
-    "server_flags": Param(D["server_flags"], type="string", section=FLEET, title="Extra or overriding SGLang flags",
+    "server_flags": Param(D["server_flags"], type=["null", "string"], section=FLEET,
+                          title="Extra or overriding SGLang flags",
                           description="Added to the Qwen3.6 MTP cookbook flags; '--flag off' drops a default, e.g. "
                                       "'--max-mamba-cache-size 160 --max-running-requests 32'."),
     "served_model_name": Param(D["served_model_name"], type="string", minLength=1, section=FLEET,
                                title="Served model name"),
     "num_servers": Param(D["num_servers"], type="integer", minimum=1, maximum=64, section=FLEET,
                          title="Servers", description="One SGLang server per GPU."),
-    "gpu_ids": Param(D["gpu_ids"], type="string", pattern=r"^(\d+(,\d+)*)?$", section=FLEET, title="GPU ids",
+    "gpu_ids": Param(D["gpu_ids"], type=["null", "string"], pattern=r"^(\d+(,\d+)*)?$", section=FLEET,
+                     title="GPU ids",
                      description="Comma-separated, one per server; empty = 0..servers-1."),
     "base_port": Param(D["base_port"], type="integer", minimum=1024, maximum=65000, section=FLEET,
                        title="Base port", description="Server i listens on 127.0.0.1:<base port + i>."),
@@ -156,7 +163,7 @@ PARAMS = {
     doc_md=__doc__,
     tags=["dflash", "sglang", "data"],
     params=PARAMS,
-    default_args={"retries": 1, "retry_delay": dt.timedelta(seconds=10)},
+    default_args={"retries": 1, "retry_delay": dt.timedelta(seconds=10), **NODE_QUEUE},
 )
 def dflash_regen():
     @task
@@ -187,7 +194,7 @@ def dflash_regen():
     def calibrate(checked: dict, shards: list[dict], params=None, run_id=None) -> dict:
         return dag_tasks.calibrate(params, run_id)
 
-    @task(retries=3, retry_delay=dt.timedelta(seconds=5), retry_exponential_backoff=2.0,
+    @task(retries=GENERATE_RETRIES, retry_delay=dt.timedelta(seconds=5), retry_exponential_backoff=2.0,
           max_retry_delay=dt.timedelta(minutes=2), max_active_tis_per_dagrun=PARALLEL_SHARDS,
           map_index_template="{{ shard.label }}")
     def generate(shard: dict, params=None, run_id=None) -> dict:

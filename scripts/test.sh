@@ -3,6 +3,7 @@
 set -euo pipefail
 source "$(dirname "$0")/env.sh"
 "$ROOT/scripts/setup.sh"
+"$ROOT/scripts/install-chromium.sh"
 cd "$ROOT"
 ruff check .
 pytest "$@"

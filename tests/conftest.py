@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import os
 import random
+import signal
 import socket
 import subprocess
 import sys
@@ -133,3 +135,28 @@ def dag(airflow_db):
     from airflow.dag_processing.dagbag import DagBag
 
     return DagBag(dag_folder=str(ROOT / "dags")).dags["dflash_regen"]
+
+
+@pytest.fixture(scope="module")
+def live_airflow(tmp_path_factory):
+    """A real Airflow per test module (tests/live_airflow.py); failed shards are not retried, so a test can
+    clear them itself."""
+    from live_airflow import LIVE_PROFILE, LiveAirflow
+
+    tmp = tmp_path_factory.mktemp("live")
+    af = LiveAirflow(tmp / "airflow-home", free_port_block(3), {
+        "DFLASH_OUTPUT_ROOT": str(tmp / "out"),
+        "DFLASH_STAGING_DIR": str(tmp / "shm" / "model"),
+        "DFLASH_BASE_PORT": str(free_port_block(7)),
+        "DFLASH_EMULATOR_PROFILE": json.dumps(LIVE_PROFILE),
+        "DFLASH_GENERATE_RETRIES": "0",
+    })
+    try:
+        af.start()
+        yield af
+    finally:
+        af.stop()
+        left = processes_mentioning(str(tmp))
+        for pid in left:
+            os.kill(pid, signal.SIGKILL)
+        assert not left, f"processes left running after the live tests: {left}"

@@ -537,12 +537,27 @@ def plan_report(calibration: dict, mems: list[Memory], shape: RunShape, *, serve
                     "mean_prompt_tokens": round(prompt_mean, 1),
                     "output_tokens_total": int(shape.prompts * lengths.mean())},
             "binding": {"resource": advice["resource"], "detail": advice["detail"]},
-            "advice": advice, "scenarios": scenarios}
+            "advice": advice, "scenarios": scenarios, "table": table_rows(scenarios)}
 
 
 # ------------------------------------------------------------------------------------------------ output
 def _hours(seconds: float) -> str:
     return f"{seconds / 3600:,.1f} h" if seconds >= 3600 else f"{seconds:,.1f} s"
+
+
+def table_rows(scenarios: list[dict]) -> list[dict]:
+    """One row per scenario, columns named for people (the table the task logs and the fleet page shows)."""
+    rows = []
+    for sc in scenarios:
+        lo, hi = sc["wall_s_interval"]
+        glo, ghi = sc["gpu_hours_interval"]
+        rows.append({"settings": f"{sc['name']}: {sc['server_flags'] or 'cookbook flags'}",
+                     "running / server": f"{sc['running_per_server']}{' *' if sc['extrapolated'] else ''}",
+                     "in flight / server": str(sc["concurrency_per_server"]),
+                     "tok/s / server": f"{sc['tok_s_per_server']:,.0f}", "fleet tok/s": f"{sc['fleet_tok_s']:,.0f}",
+                     "generation wall time (80% interval)": f"{_hours(sc['wall_s'])} ({_hours(lo)} - {_hours(hi)})",
+                     "GPU-hours (80% interval)": f"{sc['gpu_hours']:,.1f} ({glo:,.1f} - {ghi:,.1f})"})
+    return rows
 
 
 def format_table(report: dict) -> str:
@@ -564,16 +579,7 @@ def format_table(report: dict) -> str:
     lines.append(f"client: concurrency_per_server {advice['concurrency_per_server']} suits the current servers "
                  "(Param apply_advised_concurrency applies it)")
     lines += [f"note: {n}" for n in advice["notes"]]
-    rows = [["settings", "running / server", "in flight / server", "tok/s / server", "fleet tok/s",
-             "generation wall time (80% interval)", "GPU-hours (80% interval)"]]
-    for sc in report["scenarios"]:
-        lo, hi = sc["wall_s_interval"]
-        glo, ghi = sc["gpu_hours_interval"]
-        rows.append([f"{sc['name']}: {sc['server_flags'] or 'cookbook flags'}",
-                     f"{sc['running_per_server']}{' *' if sc['extrapolated'] else ''}",
-                     str(sc["concurrency_per_server"]), f"{sc['tok_s_per_server']:,.0f}", f"{sc['fleet_tok_s']:,.0f}",
-                     f"{_hours(sc['wall_s'])} ({_hours(lo)} - {_hours(hi)})",
-                     f"{sc['gpu_hours']:,.1f} ({glo:,.1f} - {ghi:,.1f})"])
+    rows = [list(report["table"][0])] + [list(row.values()) for row in report["table"]]
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     table = ["| " + " | ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) + " |" for r in rows]
     table.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
@@ -674,7 +680,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
         stored = json.loads(ns.report.read_text())
         run = stored["run"]
-        default = RunShape(run["prompts"], run["servers"], run["shard_size"], run["concurrency_per_server"])
+        default = RunShape(run["prompts"], run["servers"], run["shard_size"], run["concurrency_per_server"],
+                           run["mean_output_tokens"])
         report = plan_report(stored["calibration"], [Memory(**m) for m in stored["allocation"]],
                              _shape(ns, default), server_flags=stored["scenarios"][0]["server_flags"])
     print(format_table(report))

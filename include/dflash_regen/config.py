@@ -38,6 +38,17 @@ COOKBOOK_FLAGS: dict[str, str | None] = {
 }
 COOKBOOK_ENV = {"SGLANG_ENABLE_SPEC_V2": "1"}
 
+def _env_object(name: str) -> dict:
+    try:
+        value = json.loads(os.environ.get(name) or "{}")
+    except ValueError as exc:
+        raise ConfigError(f"environment variable {name} is not valid JSON ({exc}); unset it or give a JSON "
+                          'object such as {"decode_tokens_per_s": 3000}') from exc
+    if not isinstance(value, dict):
+        raise ConfigError(f"environment variable {name} must be a JSON object, got {type(value).__name__}")
+    return value
+
+
 # Default Param values (the DAG's trigger form shows them). Deployment-specific ones come from the
 # environment so a GPU node's docker-compose can set them once; the fallbacks run the demo.
 DEFAULTS: dict[str, Any] = {
@@ -48,7 +59,7 @@ DEFAULTS: dict[str, Any] = {
     "served_model_name": "qwen3.6-27b",
     "num_servers": 7,
     "gpu_ids": "",
-    "base_port": 30000,
+    "base_port": int(os.environ.get("DFLASH_BASE_PORT", "30000")),
     "ready_timeout_s": 900.0,
     "import_timeout_s": 120.0,
     "min_kv_tokens": 1_000_000,
@@ -85,7 +96,7 @@ DEFAULTS: dict[str, Any] = {
     "dataset_name": "qwen3.6-27b-regen",
     "output_root": os.environ.get("DFLASH_OUTPUT_ROOT", str(Path.home() / "dflash-regen")),
     "emulator_faults": {},
-    "emulator_profile": {},
+    "emulator_profile": _env_object("DFLASH_EMULATOR_PROFILE"),
 }
 
 # Characters that only mean something to a shell. The server command is run from an argv list (never a
@@ -119,6 +130,8 @@ def _float(params: dict, name: str, lo: float, hi: float) -> float:
 
 def _str(params: dict, name: str, *, allow_empty: bool = False) -> str:
     value = params.get(name)
+    if value is None and allow_empty:  # the trigger form sends null for an optional field left empty
+        return ""
     if not isinstance(value, str) or (not allow_empty and not value.strip()):
         raise _fail(name, value, "must be a non-empty string")
     return value.strip()

@@ -2,9 +2,11 @@
 
 Every case checks, from the files on disk: prompts = published + quarantined, no sample id twice, every
 quarantined row has a reason, no process left running (fixture), and either one valid published version
-or none, with the failing task's one-line reason in the log. Cases 2 (shard process killed mid-write) and
-10 (publish killed mid-way) are driven at their own level in tests/integration/test_generation.py and
-tests/unit/test_publish.py: `dag.test` runs tasks in the test process, so they cannot be SIGKILLed here.
+or none, with the failing task's one-line reason in the log. `dag.test` runs tasks in the test process, so
+cases that SIGKILL a task need a real scheduler: case 2 (shard task killed mid-shard, then cleared) is in
+tests/live/test_airflow_ui.py, case 9 (node dies, same run id re-triggered) in test_scheduler_faults.py.
+Case 10 (publish killed mid-way) is driven at its own level in tests/unit/test_publish.py: publishing a
+test-sized run takes milliseconds, too short to kill from outside reliably.
 """
 
 import json

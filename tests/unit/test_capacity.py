@@ -118,3 +118,14 @@ def test_the_report_and_its_table_name_the_binding_the_flags_and_both_scenarios(
     table = capacity.format_table(report)
     assert "binding: Mamba slots" in table and "--max-mamba-cache-size 160 --max-running-requests 32" in table
     assert "902,087 prompts" in table
+
+
+def test_the_cli_re_plans_a_stored_report_for_another_run_size(tmp_path, capsys):
+    calibration = {"server": "server 0", "url": "http://127.0.0.1:30000", "slots": 16, "prompts": 64, "seconds": 120,
+                   "fill_s": 0.5, "levels": levels_on(B200), "output_tokens": [1820] * 64,
+                   "prompt_tokens": [600] * 64, "finish_reasons": {"stop": 64}, "max_tokens": 16384}
+    stored = tmp_path / "capacity.json"
+    capacity.atomic.write_json(stored, capacity.plan_report(calibration, [seed_memory()], RunShape(902_087, 7, 1000)))
+    assert capacity.main(["plan", str(stored), "--prompts", "7000", "--servers", "7"]) == 0
+    out = capsys.readouterr().out
+    assert "7,000 prompts x 1,820 mean output tokens" in out and "| advised: --max-mamba-cache-size 160" in out

@@ -1,0 +1,322 @@
+"""The GPU node's docker-compose.yaml, its image and .env.example keep the README's promises.
+
+`docker compose config` is the real validator and runs where the Compose v2 plugin is installed; the
+structural checks below hold everywhere (no Docker engine needed) and fail if the file regresses.
+"""
+
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+COMPOSE = ROOT / "docker-compose.yaml"
+ENV_EXAMPLE = ROOT / ".env.example"
+DOCKERFILE = ROOT / "deploy" / "Dockerfile"
+
+AIRFLOW_SERVICES = {"airflow-init", "airflow-apiserver", "airflow-scheduler", "airflow-dag-processor",
+                    "airflow-triggerer", "airflow-worker", "airflow-gpu-worker"}
+LONG_RUNNING = (AIRFLOW_SERVICES - {"airflow-init"}) | {"postgres", "redis"}
+SECRETS = {"POSTGRES_PASSWORD", "AIRFLOW_FERNET_KEY", "AIRFLOW_JWT_SECRET", "AIRFLOW_API_SECRET_KEY",
+           "AIRFLOW_ADMIN_PASSWORD", "DFLASH_SGLANG_API_KEY"}
+SECRET_NAME = re.compile(r"(PASSWORD|SECRET|_KEY|TOKEN)$")  # names of values that are secrets
+# ${VAR}, ${VAR:-default}, ${VAR-default}, ${VAR:?message}, ${VAR?message}; "$$" is a literal "$".
+REF = re.compile(r"(?<!\$)\$\{(?P<name>[A-Za-z_][A-Za-z0-9_]*)(?:(?P<op>:?[-?])(?P<arg>[^}]*))?\}")
+
+
+class MissingVariable(Exception):
+    pass
+
+
+def interpolate(value, env: dict[str, str]):
+    """Compose's variable substitution, applied to every string of a loaded file."""
+    if isinstance(value, dict):
+        return {k: interpolate(v, env) for k, v in value.items()}
+    if isinstance(value, list):
+        return [interpolate(v, env) for v in value]
+    if not isinstance(value, str):
+        return value
+
+    def substitute(m: re.Match) -> str:
+        name, op, arg = m["name"], m["op"] or "", m["arg"] or ""
+        is_set = name in env and (env[name] != "" or not op.startswith(":"))
+        if is_set:
+            return env[name]
+        if op.endswith("?"):
+            raise MissingVariable(f"{name}: {arg}")
+        return arg
+
+    return REF.sub(substitute, value).replace("$$", "$")
+
+
+def read_env_file(path: Path) -> dict[str, str]:
+    pairs = (line.split("=", 1) for line in path.read_text().splitlines() if re.match(r"^[A-Z0-9_]+=", line))
+    return {name: value for name, value in pairs}
+
+
+@pytest.fixture(scope="module")
+def raw() -> dict:
+    return yaml.safe_load(COMPOSE.read_text())
+
+
+@pytest.fixture(scope="module")
+def env_example() -> dict[str, str]:
+    return read_env_file(ENV_EXAMPLE)
+
+
+@pytest.fixture(scope="module")
+def filled_env(env_example) -> dict[str, str]:
+    """.env.example with every secret filled in, as an operator's .env."""
+    return {name: value or f"test-{name.lower()}-0123456789abcdef" for name, value in env_example.items()}
+
+
+@pytest.fixture(scope="module")
+def services(raw, filled_env) -> dict[str, dict]:
+    return interpolate(raw, filled_env)["services"]
+
+
+def environment(service: dict) -> dict[str, str]:
+    env = service.get("environment", {})
+    assert isinstance(env, dict), "write environment as a mapping so the common anchor can be merged"
+    return env
+
+
+def mounts(service: dict) -> dict[str, tuple[str, str]]:
+    """Container path -> (source, mode) of a service's short-syntax volumes."""
+    result = {}
+    for spec in service.get("volumes", []):
+        source, target, *mode = spec.split(":")
+        result[target] = (source, mode[0] if mode else "rw")
+    return result
+
+
+# ------------------------------------------------------------------------------------------ services
+def test_required_services_are_present(raw):
+    assert AIRFLOW_SERVICES | {"postgres", "redis"} <= set(raw["services"])
+
+
+def test_every_airflow_service_uses_the_common_image_and_environment(raw):
+    common = raw["x-airflow-common"]
+    assert common["build"]["dockerfile"] == "deploy/Dockerfile" and (ROOT / common["build"]["context"]).is_dir()
+    for name in AIRFLOW_SERVICES:
+        service = raw["services"][name]
+        assert (service["image"], service["build"]) == (common["image"], common["build"]), name
+        env = environment(service)
+        assert {k: env.get(k) for k in common["environment"]} == common["environment"], name
+        assert set(service["volumes"]) >= set(common["volumes"]), name
+
+
+def test_airflow_runs_celery_on_postgres_and_redis(services):
+    env = environment(services["airflow-scheduler"])
+    assert env["AIRFLOW__CORE__EXECUTOR"] == "CeleryExecutor"
+    assert re.match(r"postgresql\+psycopg2://airflow:[^@]+@postgres/airflow$",
+                    env["AIRFLOW__DATABASE__SQL_ALCHEMY_CONN"])
+    assert re.match(r"db\+postgresql://airflow:[^@]+@postgres/airflow$", env["AIRFLOW__CELERY__RESULT_BACKEND"])
+    assert env["AIRFLOW__CELERY__BROKER_URL"].startswith("redis://redis:")
+    assert env["AIRFLOW__CORE__EXECUTION_API_SERVER_URL"] == "http://airflow-apiserver:8080/execution/"
+    commands = {name: services[name].get("command") for name in AIRFLOW_SERVICES}
+    assert commands["airflow-apiserver"] == "api-server" and commands["airflow-scheduler"] == "scheduler"
+    assert commands["airflow-dag-processor"] == "dag-processor" and commands["airflow-triggerer"] == "triggerer"
+    assert commands["airflow-worker"] == "celery worker"
+
+
+def test_init_migrates_the_database_and_writes_the_admin_login(raw, services):
+    script = "\n".join(services["airflow-init"]["command"])
+    assert "airflow db migrate" in script
+    env = environment(services["airflow-init"])
+    assert env["AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS"] == "admin:admin"
+    assert env["AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_PASSWORDS_FILE"] in script
+    assert 'os.environ["AIRFLOW_ADMIN_PASSWORD"]' in script
+    password = environment(raw["services"]["airflow-init"])["AIRFLOW_ADMIN_PASSWORD"]
+    assert password.startswith("${AIRFLOW_ADMIN_PASSWORD:?")
+
+
+# ------------------------------------------------------------------------------------------ the GPU worker
+def test_gpu_worker_reserves_every_nvidia_gpu(services):
+    devices = services["airflow-gpu-worker"]["deploy"]["resources"]["reservations"]["devices"]
+    assert len(devices) == 1
+    assert devices[0]["driver"] == "nvidia" and devices[0]["count"] == "all" and devices[0]["capabilities"] == ["gpu"]
+    gpu_holders = {name for name, s in services.items() if "devices" in str(s.get("deploy", ""))}
+    assert gpu_holders == {"airflow-gpu-worker"}
+
+
+def size_in_gb(text: str) -> float:
+    number, unit = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([kmgt]?)b?", str(text).lower()).groups()
+    return float(number) * {"": 1e-9, "k": 1e-6, "m": 1e-3, "g": 1, "t": 1e3}[unit]
+
+
+def test_gpu_worker_has_the_node_ram_disk_for_staging(services):
+    """stage_weights copies the ~55 GB model to /dev/shm: the host's RAM disk, or a private one as large."""
+    worker = services["airflow-gpu-worker"]
+    shm = mounts(worker).get("/dev/shm")
+    assert shm == ("/dev/shm", "rw") or size_in_gb(worker.get("shm_size", "64m")) >= 100
+
+
+def test_gpu_worker_mounts_the_sglang_venv_and_models_read_only(services):
+    worker = services["airflow-gpu-worker"]
+    env, volumes = environment(worker), mounts(worker)
+    interpreter = env["DFLASH_SERVER_COMMAND"].split()[0]
+    venv = next(target for target in volumes if interpreter.startswith(target + "/"))
+    assert volumes[venv][1] == "ro"
+    models = next(target for target in volumes if env["DFLASH_MODEL_SOURCE"].startswith(target + "/"))
+    assert volumes[models][1] == "ro"
+    # The venv is built by the setup service, with the image's Python, into the same host dir and path.
+    builder = services["sglang-venv"]
+    assert builder["image"] == worker["image"] and builder["profiles"] == ["setup"]
+    assert mounts(builder)[venv] == (volumes[venv][0], "rw")
+    assert builder["entrypoint"][-2:] == ["/opt/dflash-regen/scripts/build-sglang-venv.sh", venv]
+    assert (ROOT / "scripts" / "build-sglang-venv.sh").is_file()
+
+
+def test_every_airflow_container_sees_the_same_output_root(services):
+    roots = {name: environment(services[name])["DFLASH_OUTPUT_ROOT"] for name in AIRFLOW_SERVICES}
+    assert len(set(roots.values())) == 1
+    root = roots["airflow-gpu-worker"]
+    assert len({mounts(services[name])[root] for name in AIRFLOW_SERVICES}) == 1
+
+
+@pytest.mark.parametrize("queue", [None, "gpu-node-2"])
+def test_gpu_worker_listens_on_the_queue_the_dag_is_parsed_with(raw, filled_env, queue):
+    env = dict(filled_env) if queue is None else {**filled_env, "DFLASH_WORKER_QUEUE": queue}
+    services = interpolate(raw, env)["services"]
+    expected = queue or filled_env["DFLASH_WORKER_QUEUE"]
+    assert services["airflow-gpu-worker"]["command"].split() == ["celery", "worker", "--queues", expected]
+    # The dag-processor parses the DAG (the queue is fixed there); the workers parse it again to run tasks.
+    for name in AIRFLOW_SERVICES:
+        assert environment(services[name])["DFLASH_WORKER_QUEUE"] == expected, name
+    assert "--queues" not in services["airflow-worker"]["command"]  # the CPU worker keeps the default queue
+
+
+def test_sglang_ports_are_not_published(services):
+    """The servers listen on the GPU worker's loopback; only tasks running there talk to them."""
+    assert "ports" not in services["airflow-gpu-worker"]
+    published = [p for s in services.values() for p in s.get("ports", [])]
+    assert not any(re.search(r":300\d\d(/tcp)?$", str(p)) for p in published), published
+
+
+# ------------------------------------------------------------------------------------------ api-server, health
+def test_api_server_publishes_port_8080_on_loopback_by_default(services):
+    assert services["airflow-apiserver"]["ports"] == ["127.0.0.1:8080:8080"]
+    assert "localhost:8080" in " ".join(services["airflow-apiserver"]["healthcheck"]["test"])
+
+
+def test_long_running_services_have_healthchecks_and_restart(services):
+    for name in LONG_RUNNING:
+        check = services[name].get("healthcheck", {})
+        assert check.get("test") and check["test"][0] in ("CMD", "CMD-SHELL"), name
+        assert services[name].get("restart") == "always", name
+    assert "restart" not in services["airflow-init"]
+
+
+def test_depends_on_names_real_services_with_valid_conditions(services):
+    for name, service in services.items():
+        for target, spec in service.get("depends_on", {}).items():
+            assert target in services, f"{name} depends on unknown service {target}"
+            condition = spec["condition"]
+            if condition == "service_healthy":
+                assert "healthcheck" in services[target], f"{name} waits for {target} to be healthy: it has no check"
+            else:
+                assert (condition, target) == ("service_completed_successfully", "airflow-init"), (name, target)
+    for name in AIRFLOW_SERVICES:
+        depends = services[name]["depends_on"]
+        assert depends["postgres"]["condition"] == depends["redis"]["condition"] == "service_healthy", name
+        if name != "airflow-init":
+            assert depends["airflow-init"]["condition"] == "service_completed_successfully", name
+    for worker in ("airflow-worker", "airflow-gpu-worker"):  # tasks talk to the api-server's execution API
+        assert services[worker]["depends_on"]["airflow-apiserver"]["condition"] == "service_healthy"
+
+
+def test_images_are_pinned(services):
+    for name, service in services.items():
+        repository, _, tag = service["image"].rpartition(":")
+        assert repository and "/" not in tag and tag not in ("", "latest"), f"{name}: {service['image']}"
+
+
+# ------------------------------------------------------------------------------------------ secrets
+def test_secrets_are_references_that_compose_requires(raw, services):
+    text = COMPOSE.read_text()
+    for m in REF.finditer(text):
+        if m["name"] in SECRETS:
+            assert m["op"] == ":?", f"{m[0]}: a secret must be required (':?'), never defaulted"
+    for name, service in raw["services"].items():
+        for key, value in environment(service).items():
+            value = str(value)
+            if SECRET_NAME.search(key):
+                assert REF.fullmatch(value) and REF.fullmatch(value)["name"] in SECRETS, f"{name}.{key}={value}"
+            for password in re.findall(r"://[^:/@\s]+:([^@\s]*)@", value):
+                assert REF.fullmatch(password) and REF.fullmatch(password)["name"] in SECRETS, f"{name}.{key}"
+    assert "DFLASH_SGLANG_API_KEY" in environment(services["airflow-gpu-worker"])
+
+
+def test_compose_refuses_to_start_while_a_secret_is_empty(raw, env_example, filled_env):
+    assert {name for name in SECRETS if env_example.get(name) == ""} == SECRETS  # placeholders only
+    for secret in SECRETS:
+        with pytest.raises(MissingVariable, match=secret):
+            interpolate(raw, {**filled_env, secret: ""})
+
+
+def test_env_file_stays_out_of_git_and_the_image():
+    assert ".env" in (ROOT / ".gitignore").read_text().split()
+    assert ".env" in (ROOT / ".dockerignore").read_text().split()
+
+
+def test_every_variable_is_documented_in_env_example_with_the_same_default(env_example):
+    refs = list(REF.finditer(COMPOSE.read_text()))
+    assert {m["name"] for m in refs} <= set(env_example), "add the missing variables to .env.example"
+    for m in refs:
+        if m["op"] == ":-":
+            assert env_example[m["name"]] == m["arg"], f"{m[0]} vs .env.example {env_example[m['name']]!r}"
+    assert not re.search(r"(?<!\$)\$[A-Za-z_]", COMPOSE.read_text()), "use ${VAR} (or $$ for a literal $)"
+
+
+# ------------------------------------------------------------------------------------------ the image
+def lock_pins(path: Path) -> dict[str, str]:
+    pins = {}
+    for line in path.read_text().splitlines():
+        line = line.split("#")[0].strip()
+        if line:
+            name, version = re.fullmatch(r"([A-Za-z0-9._-]+)==([A-Za-z0-9.+!-]+)", line).groups()
+            pins[name.lower().replace("_", "-")] = version
+    return pins
+
+
+def test_dockerfile_builds_from_the_locked_airflow_release_and_installs_the_lock():
+    text = DOCKERFILE.read_text()
+    froms = re.findall(r"^FROM\s+(\S+)", text, flags=re.M)
+    assert len(froms) == 1
+    m = re.fullmatch(r"apache/airflow:(?:slim-)?(\d+\.\d+\.\d+)-python(3\.\d+)", froms[0])
+    assert m, f"pin an official release and Python: {froms[0]}"
+    assert m[1] == lock_pins(ROOT / "requirements.lock")["apache-airflow"]
+    assert re.search(r"pip install --no-cache-dir -r \S*/requirements\.lock -r \S*/requirements-services\.lock", text)
+    assert re.search(r"pip install --no-cache-dir --no-deps \S+", text)
+
+
+def test_services_lock_adds_exact_pins_without_repinning_the_project_lock():
+    project = lock_pins(ROOT / "requirements.lock")
+    services = lock_pins(ROOT / "deploy" / "requirements-services.lock")
+    assert {"apache-airflow-providers-celery", "apache-airflow-providers-postgres", "celery", "redis"} <= set(services)
+    assert set(project) & set(services) == set()
+
+
+# ------------------------------------------------------------------------------------------ docker compose
+def compose_available() -> bool:
+    if shutil.which("docker") is None:
+        return False
+    return subprocess.run(["docker", "compose", "version"], capture_output=True, check=False).returncode == 0
+
+
+@pytest.mark.skipif(not compose_available(), reason="`docker compose` (the Compose v2 plugin) is not installed")
+def test_docker_compose_config_accepts_the_file_and_refuses_it_without_secrets(tmp_path, filled_env):
+    def config(env: dict[str, str]) -> subprocess.CompletedProcess:
+        env_file = tmp_path / "env"
+        env_file.write_text("".join(f"{k}={v}\n" for k, v in env.items()))
+        return subprocess.run(["docker", "compose", "--project-directory", str(ROOT), "--env-file", str(env_file),
+                               "-f", str(COMPOSE), "config", "--quiet"], capture_output=True, text=True, check=False)
+
+    done = config(filled_env)
+    assert done.returncode == 0, done.stderr
+    done = config({**filled_env, "POSTGRES_PASSWORD": ""})
+    assert done.returncode != 0 and "POSTGRES_PASSWORD" in done.stderr

@@ -1,0 +1,195 @@
+"""The pipeline used the way people use it: a real Airflow (scheduler, api-server, dag-processor) driven from
+a real browser (Playwright + Debian's Chromium, headless, loopback only) and through the REST API.
+
+One Airflow serves the module. `generate` is not retried here (env DFLASH_GENERATE_RETRIES=0), so a fault
+leaves a failed shard for the test to clear, as a person would. Screenshots go to test-output/browser/.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from urllib.parse import quote, unquote
+
+import pytest
+from conftest import ROOT
+from live_airflow import (
+    LiveAirflow,
+    completion_ids,
+    kill_in_the_middle_of_shard,
+    published_manifest,
+    run_dir,
+)
+
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
+                 "--disable-sync", "--no-first-run"]
+@pytest.fixture(scope="session")
+def screenshots():
+    folder = ROOT / "test-output" / "browser"
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
+# ------------------------------------------------------------------------------------------------ the plugin
+def test_report_pages_refuse_anonymous_requests_and_stay_inside_the_output_root(live_airflow):
+    import requests
+
+    url = live_airflow.url
+    for path in ("/dflash/", "/dflash/runs/any/quality", "/dflash/runs/any/fleet.json",
+                 "/dflash/runs/any/data-docs/index.html"):
+        assert requests.get(url + path, timeout=30).status_code == 401, path
+        bogus = {"Authorization": "Bearer not-a-token"}
+        assert requests.get(url + path, headers=bogus, timeout=30).status_code in (401, 403), path
+    assert live_airflow.api("GET", "/dflash/").status_code == 200
+    live_airflow.output_root.mkdir(parents=True, exist_ok=True)
+    (live_airflow.output_root / "secret.txt").write_text("not for the browser")
+    for path in ("/dflash/runs/..%2F..%2Fsecret.txt/quality", "/dflash/runs/%2E%2E/quality",
+                 "/dflash/runs/any/data-docs/..%2F..%2F..%2F..%2Fsecret.txt"):
+        r = live_airflow.api("GET", path, check=False)
+        assert r.status_code == 404 and "not for the browser" not in r.text, path
+    plugins = live_airflow.api("GET", "/api/v2/plugins").json()["plugins"]
+    ours = next(p for p in plugins if p["name"] == "dflash_regen_ui")
+    assert {v["name"] for v in ours["external_views"]} == {"dflash-regen runs", "Data quality", "Fleet"}
+
+
+# ----------------------------------------------------------------------------------------------- the browser
+@pytest.fixture(scope="module")
+def browser():
+    from playwright.sync_api import sync_playwright
+
+    assert Path(CHROMIUM).exists(), (f"{CHROMIUM} is missing: install Debian's chromium "
+                                     "(scripts/test.sh does: apt-get install -y chromium)")
+    with sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        yield b
+        b.close()
+
+
+def log_in(page, af: LiveAirflow) -> None:
+    page.goto(af.url + "/")
+    page.fill("input[name=username]", "admin")
+    page.fill("input[name=password]", af.password)
+    page.get_by_role("button", name="Sign in").click()
+    page.wait_for_url(f"{af.url}/")
+
+
+def trigger_from_form(page, af: LiveAirflow, fields: dict[tuple[str, str], str], shot: Path) -> str:
+    """Open the trigger form, fill `{(section, param): value}`, press Trigger; returns the new run id."""
+    page.goto(f"{af.url}/dags/dflash_regen")
+    page.get_by_role("button", name="Trigger Dag").click()
+    form = page.locator("[role=dialog][data-state=open]")
+    for (section, name), value in fields.items():
+        field = form.locator(f"input[name=element_{name}]")
+        if not field.is_visible():
+            form.get_by_role("button", name=section, exact=True).click()
+        field.fill(value)
+    form.screenshot(path=shot)
+    form.get_by_role("button", name="Trigger", exact=True).click()
+    page.wait_for_url("**/dags/dflash_regen/runs/**")
+    return unquote(page.url.split("/runs/")[1].split("/")[0])
+
+
+def test_user_triggers_from_the_form_clears_the_failed_shard_and_reads_the_reports(live_airflow, browser,
+                                                                                   screenshots):
+    af = live_airflow
+    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    log_in(page, af)
+    page.screenshot(path=screenshots / "01-logged-in.png")
+
+    run_id = trigger_from_form(page, af, {("Prompts", "shard_size"): "20", ("Dispatch", "checkpoint_every"): "4"},
+                               screenshots / "02-trigger-form.png")
+    folder = run_dir(af, run_id)
+    # The fault: the server working on shard 2 is SIGKILLed once the shard has results on disk.
+    killer = kill_in_the_middle_of_shard(folder, shard=2, victim="server")
+    assert af.wait_run(run_id, timeout_s=600) == "failed"
+    killer.join(1)
+    assert killer.killed, "the fault never fired: shard 2 checkpointed nothing while its server ran"
+    states = af.wait_settled(run_id)
+    assert states["generate[2]"] == "failed", states
+    assert all(states[f"generate[{i}]"] == "success" for i in (0, 1, 3, 4, 5)), states
+    assert states["publish"] == "upstream_failed" and states["stop_fleet"] == "success", states
+    assert not (af.output_root / "published").exists(), "a failed run published something"
+
+    # The user opens the failed shard, reads why, and clears it (with Downstream, the form's default).
+    page.goto(f"{af.url}/dags/dflash_regen/runs/{quote(run_id)}/tasks/generate/mapped/2")
+    page.get_by_text("marked").first.wait_for(timeout=30_000)  # "marked server N unhealthy: ..." in the log
+    page.screenshot(path=screenshots / "03-failed-shard-log.png")
+    page.get_by_role("button", name="Press shift+c to clear").click()
+    dialog = page.locator("[role=dialog][data-state=open]")
+    dialog.get_by_text("Affected Tasks").wait_for()
+    affected = dialog.inner_text()
+    assert "launch_fleet" in affected and "smoke_test" in affected and "publish" in affected, affected
+    dialog.screenshot(path=screenshots / "04-clear-dialog.png")
+    dialog.get_by_role("button", name="Confirm").click()
+
+    assert af.wait_run(run_id, timeout_s=600, states={"success"}) == "success"
+    states = af.task_states(run_id)
+    assert set(states.values()) == {"success"}, states
+    retry_log = af.task_log(run_id, "generate", 2, map_index=2)
+    done_before = int(re.search(r"(\d+) done before", retry_log).group(1))
+    assert done_before >= killer.killed["results_on_disk"] > 0, retry_log[-2000:]
+
+    manifest = published_manifest(af, run_id, "qwen3.6-27b-regen")
+    counts = manifest["counts"]
+    assert counts["prompts"] == counts["published"] + counts["quarantined"]
+    ids = completion_ids(folder)
+    assert len(ids) == len(set(ids)), "a sample was generated twice"
+
+    # The data-quality page, inside Airflow's run view.
+    page.goto(f"{af.url}/dags/dflash_regen/runs/{quote(run_id)}")
+    page.get_by_role("link", name="Data quality").click()
+    report = page.frame_locator("iframe").first
+    report.locator("h1").filter(has_text="passed").wait_for(timeout=30_000)
+    page.screenshot(path=screenshots / "05-data-quality.png", full_page=True)
+    assert int(report.locator("#prompts").inner_text().replace(",", "")) == counts["prompts"]
+    assert int(report.locator("#kept").inner_text().replace(",", "")) == counts["published"]
+    assert int(report.locator("#quarantined").inner_text().replace(",", "")) == counts["quarantined"]
+    assert "counts reconcile" in report.locator("#reconcile").inner_text()
+    results = report.locator("#expectations tr td:first-child").all_inner_texts()
+    assert len(results) >= 10 and set(results) == {"pass"}, results
+    assert report.locator("svg.chart rect.bar").count() > 5  # the loss-mask histogram
+    report.get_by_role("link", name="Open the full Great Expectations Data Docs").click()
+    report.get_by_text("validations/").first.wait_for()  # the offline page list
+    page.screenshot(path=screenshots / "06-data-docs.png", full_page=True)
+
+    page.get_by_role("link", name="Fleet", exact=True).click()
+    fleet = page.frame_locator("iframe").first
+    fleet.locator("#servers").wait_for()
+    assert fleet.locator("#servers tr").count() == 1 + 7  # header + every server
+    assert fleet.locator("#done").inner_text().split("/")[0].strip() == f"{len(ids):,}"
+    page.screenshot(path=screenshots / "07-fleet.png", full_page=True)
+    page.close()
+
+
+# ---------------------------------------------------------------------------------------------- the REST API
+def test_rest_clear_of_one_mapped_shard_after_its_task_process_was_killed(live_airflow):
+    af = live_airflow
+    run_id = "rest_retry"
+    af.trigger(run_id, {"shard_size": 20, "checkpoint_every": 4, "dataset_name": "rest-retry"})
+    folder = run_dir(af, run_id)
+    # Issue 7 case 2 under a real scheduler: the shard task itself is SIGKILLed mid-shard.
+    killer = kill_in_the_middle_of_shard(folder, shard=1, victim="task")
+    assert af.wait_run(run_id, timeout_s=600) == "failed"
+    killer.join(1)
+    assert killer.killed, "the fault never fired"
+    states = af.wait_settled(run_id)
+    assert states["generate[1]"] == "failed", states
+
+    body = {"dag_run_id": run_id, "task_ids": [["generate", 1]], "only_failed": False,
+            "include_downstream": True}
+    dry = af.api("POST", "/api/v2/dags/dflash_regen/clearTaskInstances", json={**body, "dry_run": True}).json()
+    cleared = {(ti["task_id"], ti["map_index"]) for ti in dry["task_instances"]}
+    assert {("generate", 1), ("launch_fleet", -1), ("health_check", -1), ("smoke_test", -1), ("stop_fleet", -1),
+            ("validate", -1), ("publish", -1)} <= cleared, cleared
+    assert not {("generate", i) for i in (0, 2, 3, 4, 5)} & cleared, "clearing one shard re-ran others"
+    af.api("POST", "/api/v2/dags/dflash_regen/clearTaskInstances", json={**body, "dry_run": False})
+
+    assert af.wait_run(run_id, timeout_s=600, states={"success"}) == "success"
+    retry_log = af.task_log(run_id, "generate", 2, map_index=1)
+    done_before = int(re.search(r"(\d+) done before", retry_log).group(1))
+    assert done_before >= killer.killed["results_on_disk"] > 0
+    ids = completion_ids(folder)
+    assert len(ids) == len(set(ids)), "a sample was generated twice"
+    counts = published_manifest(af, run_id, "rest-retry")["counts"]
+    assert counts["prompts"] == counts["published"] + counts["quarantined"]
