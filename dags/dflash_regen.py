@@ -4,7 +4,9 @@
 Stages the weights to the RAM disk, launches one SGLang server per GPU and proves **every** server is
 fit before any real work: enough KV tokens and running-request slots (`health_check`), and real answers —
 not reasoning only, not truncated, tool calls parsed — to representative prompts at the production
-`max_tokens` (`smoke_test`). Meanwhile `plan_shards` validates the prompts (bad rows are quarantined with a
+`max_tokens` (`smoke_test`); `calibrate` then measures one server on the run's own prompts, names the
+resource that binds throughput with the flags that would lift it, and predicts the run's wall time and
+GPU-hours (`reports/capacity.json`). Meanwhile `plan_shards` validates the prompts (bad rows are quarantined with a
 reason) and writes ~1,000-prompt shards; `generate` completes each shard on one leased server, resumably.
 The fleet is stopped as soon as generation ends. `tokenize` computes `input_ids` and `loss_mask` with the
 model's chat template, `validate` runs the Great Expectations gate (Data Docs in the run's `reports/`), and
@@ -104,6 +106,15 @@ PARAMS = {
     "concurrency_per_server": Param(D["concurrency_per_server"], type="integer", minimum=0, section=DISPATCH,
                                     title="Requests in flight per server",
                                     description="0 = the server's running-request slots."),
+    "calibration_prompts": Param(D["calibration_prompts"], type="integer", minimum=0, section=DISPATCH,
+                                 title="Calibration prompts",
+                                 description="calibrate measures one server with this many of the run's prompts "
+                                             "(at least twice its slots) and predicts the run; 0 = skip."),
+    "apply_advised_concurrency": Param(D["apply_advised_concurrency"], type="boolean", section=DISPATCH,
+                                       title="Apply the planner's client concurrency",
+                                       description="Shards keep the calibrated in-flight count (slots plus a small "
+                                                   "queue) instead of 'Requests in flight per server'. Server flags "
+                                                   "stay yours: the advice names them."),
     "stall_timeout_s": Param(D["stall_timeout_s"], type="number", minimum=1, section=DISPATCH,
                              title="Stall timeout (s)", description="A stream silent this long is a failure."),
     "request_cap_s": Param(D["request_cap_s"], type="number", minimum=1, section=DISPATCH,
@@ -178,6 +189,11 @@ def dflash_regen():
     def plan_shards(params=None, run_id=None) -> list[dict]:
         return dag_tasks.plan_shards(params, run_id)
 
+    @setup
+    @task
+    def calibrate(checked: dict, shards: list[dict], params=None, run_id=None) -> dict:
+        return dag_tasks.calibrate(params, run_id)
+
     @task(retries=GENERATE_RETRIES, retry_delay=dt.timedelta(seconds=5), retry_exponential_backoff=2.0,
           max_retry_delay=dt.timedelta(minutes=2), max_active_tis_per_dagrun=PARALLEL_SHARDS,
           map_index_template="{{ shard.label }}")
@@ -206,8 +222,9 @@ def dflash_regen():
     fleet = launch_fleet(stage_weights())
     checked = smoke_test(fleet, health_check(fleet))
     shards = plan_shards()  # runs while the servers load: it needs no GPU
+    calibrated = calibrate(checked, shards)  # measures one server on the run's own prompts, predicts the run
     generated = generate.expand(shard=shards)
-    checked >> generated >> stop_fleet(fleet)  # the servers are not needed past generation
+    calibrated >> generated >> stop_fleet(fleet)  # the servers are not needed past generation
     publish(validate(tokenize.expand(generated=generated)))
 
 

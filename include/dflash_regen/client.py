@@ -10,6 +10,7 @@ worth retrying; `PromptError` (4xx) is the prompt's fault and goes to quarantine
 from __future__ import annotations
 
 import json
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -21,6 +22,10 @@ from dflash_regen.errors import DflashError
 
 class TransientError(DflashError):
     """The request may succeed if sent again (possibly to another server)."""
+
+
+class Cancelled(DflashError):
+    """The caller's stop event was set mid-stream; the connection is closed, so SGLang aborts the request."""
 
 
 class PromptError(DflashError):
@@ -82,7 +87,7 @@ def _merge_tool_call(calls: list[dict], delta: dict) -> None:
 
 
 def stream_chat(session: requests.Session, base_url: str, api_key: str, payload: dict, *, stall_s: float,
-                cap_s: float) -> ChatResult:
+                cap_s: float, stop: threading.Event | None = None) -> ChatResult:
     body = {**payload, "stream": True, "stream_options": {"include_usage": True}}
     started = time.monotonic()
     result = ChatResult()
@@ -100,6 +105,8 @@ def stream_chat(session: requests.Session, base_url: str, api_key: str, payload:
             for line in resp.iter_lines(chunk_size=None):
                 if time.monotonic() - started > cap_s:
                     raise TransientError(f"request exceeded the overall cap of {cap_s:.0f} s")
+                if stop is not None and stop.is_set():
+                    raise Cancelled(f"stopped by the caller after {time.monotonic() - started:.1f} s")
                 if not line or not line.startswith(b"data:"):
                     continue
                 data = line[5:].strip()

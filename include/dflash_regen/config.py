@@ -77,6 +77,8 @@ DEFAULTS: dict[str, Any] = {
     "max_bad_row_share": 0.05,
     "seed": 0,
     "concurrency_per_server": 0,
+    "calibration_prompts": 64,
+    "apply_advised_concurrency": False,
     "stall_timeout_s": 300.0,
     "request_cap_s": 7200.0,
     "request_retries": 4,
@@ -253,6 +255,12 @@ class GenerationSettings:
 
 
 @dataclass(frozen=True)
+class CapacitySettings:
+    calibration_prompts: int  # 0 = no calibration
+    apply_advised_concurrency: bool  # generate keeps the planner's in-flight count instead of in_flight
+
+
+@dataclass(frozen=True)
 class SamplingConfig:
     max_tokens: int
     temperature: float
@@ -273,6 +281,7 @@ class RunConfig:
     plan: PlanSettings
     generation: GenerationSettings
     quality: QualitySettings
+    capacity: CapacitySettings
     mask_reasoning: bool
     dataset_name: str
     params: dict = field(repr=False, compare=False, default_factory=dict)
@@ -398,11 +407,13 @@ class RunConfig:
             max_length=_int(params, "train_max_length", 1, 10_000_000),
             max_overlong_share=_float(params, "max_overlong_share", 0.0, 1.0),
         )
+        capacity = CapacitySettings(calibration_prompts=_int(params, "calibration_prompts", 0, 100_000),
+                                    apply_advised_concurrency=_bool(params, "apply_advised_concurrency"))
         dataset_name = _str(params, "dataset_name")
         if not _DATASET_NAME.fullmatch(dataset_name):
             raise _fail("dataset_name", dataset_name, "must be letters, digits, '.', '_' or '-' (no '/' or '..'), "
                         "starting with a letter or digit")
         return cls(run_id=safe_run_id(run_id), output_root=output_root, model_source=model_source,
                    staging_dir=staging_dir, fleet=fleet, sampling=sampling, prompt_source=prompt_source,
-                   plan=plan, generation=generation, quality=quality, mask_reasoning=_bool(params, "mask_reasoning"),
-                   dataset_name=dataset_name, params=dict(params))
+                   plan=plan, generation=generation, quality=quality, capacity=capacity,
+                   mask_reasoning=_bool(params, "mask_reasoning"), dataset_name=dataset_name, params=dict(params))

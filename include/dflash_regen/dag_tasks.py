@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+from dataclasses import replace
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -18,6 +19,7 @@ from airflow.sdk.exceptions import AirflowFailException
 
 from dflash_regen import (
     atomic,
+    capacity,
     fleet,
     generation,
     planning,
@@ -110,6 +112,37 @@ def smoke_test(params: dict, run_id: str) -> dict:
     return {"servers": len(servers), "passed": True}
 
 
+@fail_fast
+def calibrate(params: dict, run_id: str) -> dict:
+    """Measure one server on the run's prompts, advise, predict; `reports/capacity.json`."""
+    cfg = RunConfig.from_params(params, run_id)
+    if not cfg.capacity.calibration_prompts:
+        log.info("calibration skipped (Param calibration_prompts = 0)")
+        return {"calibrated": False}
+    servers, key = _servers(cfg)
+    health = json.loads((cfg.reports_dir / "health.json").read_text())
+    plan = json.loads((cfg.run_dir / "shards" / "plan.json").read_text())
+    healthy = generation.healthy_servers(cfg.fleet_dir, servers)
+    shape = capacity.RunShape(prompts=plan["accepted"], servers=len(healthy), shard_size=cfg.plan.shard_size,
+                              concurrency_per_server=cfg.generation.in_flight)
+    lease = generation.lease_server(cfg.fleet_dir, healthy, 0, wait_s=cfg.fleet.ready_timeout_s)
+    try:
+        report = capacity.calibrate(lease.server, key, health, plan["shards"], cfg.generation, shape,
+                                    prompts=cfg.capacity.calibration_prompts,
+                                    server_flags=cfg.params.get("server_flags", ""))
+    except capacity.CapacityError as exc:
+        if not fleet.is_alive(lease.server):  # so the retry measures another server, as a shard's would
+            fleet.mark_unhealthy(cfg.fleet_dir, lease.server, str(exc))
+        raise
+    finally:
+        lease.release()
+    write_report(cfg, "capacity", report)
+    log.info("capacity plan (reports/capacity.json):\n%s", capacity.format_table(report))
+    current = report["scenarios"][0]
+    return {"calibrated": True, "binding": report["binding"]["resource"], "wall_s": current["wall_s"],
+            "advised_flags": report["advice"]["server_flags"]}
+
+
 def stop_fleet(params: dict, run_id: str) -> list[str]:
     cfg = RunConfig.from_params(params, run_id)
     return fleet.stop_fleet(cfg.fleet_dir)
@@ -133,11 +166,18 @@ def generate(params: dict, run_id: str, shard: dict) -> dict:
     servers = fleet.load_servers(cfg.fleet_dir)
     key = fleet.read_api_key(cfg.fleet_dir)
     paths = generation.ShardPaths.of(cfg.run_dir, shard["shard"], Path(shard["path"]))
+    settings, expected_rps = cfg.generation, None
+    planned = capacity.read_report(cfg.reports_dir)
+    if planned:
+        expected_rps = planned["scenarios"][0]["requests_per_s_per_server"]
+        if cfg.capacity.apply_advised_concurrency:
+            settings = replace(settings, in_flight=planned["advice"]["concurrency_per_server"])
     lease = generation.lease_server(cfg.fleet_dir, servers, shard["shard"], wait_s=cfg.fleet.ready_timeout_s)
     try:
         healthy = len(generation.healthy_servers(cfg.fleet_dir, servers))
-        return generation.generate_shard(paths, lease, key, cfg.generation, fleet_dir=cfg.fleet_dir,
-                                         run_prompts=shard.get("run_prompts"), servers_sharing=healthy)
+        return generation.generate_shard(paths, lease, key, settings, fleet_dir=cfg.fleet_dir,
+                                         run_prompts=shard.get("run_prompts"), servers_sharing=healthy,
+                                         expected_rps=expected_rps)
     finally:
         lease.release()
 

@@ -289,8 +289,13 @@ def _server_facts(server: Server, api_key: str) -> tuple[int, str | None]:
 
 
 def generate_shard(paths: ShardPaths, lease: Lease, api_key: str, settings: GenerationSettings, *,
-                   fleet_dir: Path, run_prompts: int | None = None, servers_sharing: int = 1) -> dict:
-    """Complete the shard on the leased server; returns counts for XCom."""
+                   fleet_dir: Path, run_prompts: int | None = None, servers_sharing: int = 1,
+                   expected_rps: float | None = None) -> dict:
+    """Complete the shard on the leased server; returns counts for XCom.
+
+    `expected_rps` (completions per second on one server, from the capacity plan) drives the ETA until the
+    shard's own rate means something.
+    """
     started = time.monotonic()
     if paths.output.is_file() and paths.failures_output.is_file():
         done = pq.read_metadata(paths.output).num_rows
@@ -328,16 +333,20 @@ def generate_shard(paths: ShardPaths, lease: Lease, api_key: str, settings: Gene
 
     def progress() -> None:
         elapsed = time.monotonic() - started
-        rate = stats["completed"] / elapsed if elapsed else 0.0
+        rate, source = stats["completed"] / elapsed if elapsed else 0.0, "measured"
+        # Until two batches have finished, the shard's own completion rate is mostly the batch still filling.
+        if expected_rps and stats["completed"] < 2 * in_flight:
+            rate, source = expected_rps, "calibrated"
         left = len(todo) - stats["completed"] - stats["quarantined"]
         eta = left / rate if rate else float("inf")
         run_eta = ""
         if run_prompts and rate:
             hours = run_prompts / (rate * max(servers_sharing, 1)) / 3600
             run_eta = f"; whole run ~{hours:.1f} h if {servers_sharing} servers keep this rate"
-        log.info("shard %d: %d/%d done, %.0f output tok/s (%d reasoning / %d content tokens), ETA %.0f s%s",
-                 paths.shard, len(done_ids) + stats["completed"], table.num_rows, stats["output_tokens"] / elapsed,
-                 stats["reasoning_tokens"], stats["output_tokens"] - stats["reasoning_tokens"], eta, run_eta)
+        log.info("shard %d: %d/%d done, %.0f output tok/s (%d reasoning / %d content tokens), ETA %.0f s "
+                 "(%s rate)%s", paths.shard, len(done_ids) + stats["completed"], table.num_rows,
+                 stats["output_tokens"] / elapsed, stats["reasoning_tokens"],
+                 stats["output_tokens"] - stats["reasoning_tokens"], eta, source, run_eta)
 
     error: BaseException | None = None
     with ThreadPoolExecutor(max_workers=in_flight, thread_name_prefix=f"shard{paths.shard}") as pool:

@@ -25,6 +25,9 @@ log = logging.getLogger(__name__)
 KV_LINE = re.compile(r"KV Cache is allocated\. #tokens: (\d+), (?:K size: ([\d.]+) GB, V size: ([\d.]+) GB|"
                      r"KV size: ([\d.]+) GB)")
 MAMBA_LINE = re.compile(r"Mamba Cache is allocated\. max_mamba_cache_size: (\d+),")
+MAMBA_SIZES = re.compile(r"Mamba Cache is allocated\. max_mamba_cache_size: \d+, conv_state size: ([\d.]+) ?GB, "
+                         r"ssm_state size: ([\d.]+) ?GB(?: intermediate_ssm_state_cache size: ([\d.]+) ?GB "
+                         r"intermediate_conv_window_cache size: ([\d.]+) ?GB)?")
 SCHEDULER_LINE = re.compile(r"max_total_num_tokens=(\d+), chunked_prefill_size=(-?\d+), max_prefill_tokens=(\d+), "
                             r"max_running_requests=(\d+), context_len=(\d+)")
 
@@ -38,6 +41,11 @@ def parse_startup_log(text: str) -> dict:
         found["kv_cache_gb"] = round(float(k) + float(v), 2) if k else float(kv)
     if m := MAMBA_LINE.search(text):
         found["mamba_slots"] = int(m.group(1))
+    if m := MAMBA_SIZES.search(text):
+        # Memory per Mamba slot and the speculative reserve (sized by --max-running-requests): the capacity
+        # planner uses them to say how many KV tokens other Mamba settings would leave.
+        found["mamba_gb"] = round(float(m.group(1)) + float(m.group(2)), 2)
+        found["mamba_reserve_gb"] = round(float(m.group(3) or 0) + float(m.group(4) or 0), 2)
     if m := SCHEDULER_LINE.search(text):
         found["running_slots"] = int(m.group(4))
         found["context_len"] = int(m.group(5))

@@ -11,8 +11,8 @@ from dflash_regen.config import RunConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 
-EXPECTED_TASKS = {"stage_weights", "launch_fleet", "health_check", "smoke_test", "plan_shards", "generate",
-                  "tokenize", "validate", "publish", "stop_fleet"}
+EXPECTED_TASKS = {"stage_weights", "launch_fleet", "health_check", "smoke_test", "plan_shards", "calibrate",
+                  "generate", "tokenize", "validate", "publish", "stop_fleet"}
 
 
 @pytest.fixture(scope="module")
@@ -36,13 +36,16 @@ def test_expected_tasks_in_pipeline_order_without_cycles(dag):
     assert order.index("stage_weights") < order.index("launch_fleet") < order.index("health_check") \
         < order.index("smoke_test") < order.index("generate") < order.index("stop_fleet")
     assert order.index("plan_shards") < order.index("generate")
+    # calibrate measures a checked server with the run's own shards, before any shard is generated
+    assert max(order.index("smoke_test"), order.index("plan_shards")) < order.index("calibrate") \
+        < order.index("generate")
     assert order.index("generate") < order.index("tokenize") < order.index("validate") < order.index("publish")
 
 
 def test_clearing_one_shard_reruns_the_fleet_setups_and_teardown_but_not_planning(dag):
     generate = dag.get_task("generate")
     relatives = {t.task_id for t in generate.get_upstreams_only_setups_and_teardowns()}
-    assert relatives == {"launch_fleet", "health_check", "smoke_test", "stop_fleet"}
+    assert relatives == {"launch_fleet", "health_check", "smoke_test", "calibrate", "stop_fleet"}
     assert generate.map_index_template == "{{ shard.label }}"
     assert generate.retries >= 2 and generate.retry_exponential_backoff == 2.0
 
@@ -50,7 +53,7 @@ def test_clearing_one_shard_reruns_the_fleet_setups_and_teardown_but_not_plannin
 def test_fleet_gates_are_setup_tasks_and_stop_is_the_teardown(dag):
     """Clearing a later task re-runs setups, not ordinary upstream tasks: the gates must be setups."""
     tasks = {t.task_id: t for t in dag.tasks}
-    assert all(tasks[t].is_setup for t in ("launch_fleet", "health_check", "smoke_test"))
+    assert all(tasks[t].is_setup for t in ("launch_fleet", "health_check", "smoke_test", "calibrate"))
     assert not tasks["stage_weights"].is_setup
     stop = tasks["stop_fleet"]
     assert stop.is_teardown

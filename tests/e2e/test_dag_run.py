@@ -11,8 +11,8 @@ def test_demo_dag_runs_green_on_seven_emulated_servers(dag, run_params, no_lefto
     conf = run_params(7, shard_size=20)
     dag_run = dag.test(run_conf=conf)
     assert states(dag_run) == {t: "success" for t in ("stage_weights", "launch_fleet", "health_check", "smoke_test",
-                                                       "plan_shards", "generate", "tokenize", "validate",
-                                                       "publish", "stop_fleet")}
+                                                       "plan_shards", "calibrate", "generate", "tokenize",
+                                                       "validate", "publish", "stop_fleet")}
     assert dag_run.state == "success"
     labels = sorted(ti.rendered_map_index for ti in dag_run.get_task_instances() if ti.task_id == "generate")
     assert labels[0] == "shard 0000 (20 prompts)" and len(labels) == 6
@@ -27,6 +27,9 @@ def test_demo_dag_runs_green_on_seven_emulated_servers(dag, run_params, no_lefto
     health = json.loads((run_dir / "reports" / "health.json").read_text())
     smoke = json.loads((run_dir / "reports" / "smoke.json").read_text())
     assert health["passed"] and len(health["servers"]) == 7
+    capacity = json.loads((run_dir / "reports" / "capacity.json").read_text())
+    assert capacity["run"]["prompts"] == plan["accepted"] and capacity["run"]["servers"] == 7
+    assert capacity["binding"]["resource"] == "Mamba slots" and capacity["scenarios"][0]["wall_s"] > 0
     assert smoke["passed"] and all(s["ok"] for s in smoke["servers"])
     assert sorted(p.name for p in (run_dir / "fleet").glob("server-*.log")) == [f"server-{i}.log" for i in range(7)]
     assert (Path(conf["staging_dir"]) / "config.json").is_file()

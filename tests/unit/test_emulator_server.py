@@ -221,7 +221,8 @@ def test_seed_allocation_in_server_info_and_startup_log(cookbook):
     log = cookbook.log()
     figures = parse_startup_log(log)
     assert figures == {"kv_tokens": info["max_total_num_tokens"], "kv_cache_gb": pytest.approx(34.78, abs=0.05),
-                       "mamba_slots": 80, "running_slots": 16, "context_len": 262144}
+                       "mamba_slots": 80, "running_slots": 16, "context_len": 262144,
+                       "mamba_gb": pytest.approx(30.94, abs=0.05), "mamba_reserve_gb": pytest.approx(27.9, abs=0.05)}
     assert re.search(r"^\[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\] Load weight end\. elapsed=[\d.]+ s, "
                      r"type=Qwen3_5ForConditionalGeneration, ", log, re.M)
     assert log.index("max_total_num_tokens=") < log.index("Uvicorn running on") < log.index(

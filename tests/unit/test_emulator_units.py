@@ -266,3 +266,27 @@ def test_bad_fault_or_profile_values_name_the_variable_and_key(var, value, messa
     with pytest.raises(EmulatorConfigError) as info:
         (load_faults if var == "DFLASH_EMU_FAULTS" else load_profile)({var: value})
     assert message in str(info.value)
+
+
+def test_per_request_decode_rate_falls_with_the_batch_and_the_aggregate_saturates():
+    from dflash_regen.emulator.scheduler import Pace
+
+    pace = Pace(decode_tokens_per_s=300, prefill_tokens_per_s=1, num_draft_tokens=4, accept_length=3.1,
+                saturation_tokens_per_s=2000)
+    rates = [pace.per_request_rate(b) for b in (1, 2, 16, 64, 1024)]
+    assert rates[0] == pytest.approx(300) and rates == sorted(rates, reverse=True)
+    aggregates = [b * r for b, r in zip((1, 2, 16, 64, 1024), rates, strict=True)]
+    assert aggregates == sorted(aggregates) and 1900 < aggregates[-1] < 2000
+    assert 16 / 0.0108 == pytest.approx(aggregates[2], rel=0.01)  # the cookbook's B200 c16 TPOT, 10.8 ms
+    linear = Pace(decode_tokens_per_s=300, prefill_tokens_per_s=1, num_draft_tokens=None, accept_length=1)
+    assert linear.per_request_rate(64) == 300  # no saturation: the old profile, every request at full speed
+
+
+def test_a_preset_profile_loads_and_other_keys_override_it():
+    profile = load_profile({"DFLASH_EMU_PROFILE": '{"preset": "qwen3.6-27b-b200-mtp", "startup_s": 0.1}'})
+    assert profile.saturation_tokens_per_s == 2000 and profile.decode_tokens_per_s == 300
+    assert profile.startup_s == 0.1 and profile.preset == "qwen3.6-27b-b200-mtp"
+    with pytest.raises(EmulatorConfigError, match="known presets are qwen3.6-27b-b200-mtp"):
+        load_profile({"DFLASH_EMU_PROFILE": '{"preset": "a100"}'})
+    with pytest.raises(EmulatorConfigError, match="a batch cannot be slower than one request"):
+        load_profile({"DFLASH_EMU_PROFILE": '{"decode_tokens_per_s": 300, "saturation_tokens_per_s": 100}'})

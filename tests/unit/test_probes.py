@@ -19,7 +19,14 @@ def seed_allocation(**changes):
 def test_startup_log_figures_take_the_target_models_kv_pool():
     figures = parse_startup_log(SEED_LOG)
     assert figures == {"kv_tokens": 1_144_000, "kv_cache_gb": 35.0, "mamba_slots": 80, "running_slots": 16,
-                       "context_len": 262144}
+                       "context_len": 262144, "mamba_gb": 40.4, "mamba_reserve_gb": 0.0}
+
+
+def test_startup_log_gives_the_mamba_memory_and_the_speculative_reserve():
+    line = ("[2026-05-01 12:00:02] Mamba Cache is allocated. max_mamba_cache_size: 80, conv_state size: 1.60GB, "
+            "ssm_state size: 29.34GB intermediate_ssm_state_cache size: 27.00GB intermediate_conv_window_cache size: "
+            "0.90GB ")
+    assert parse_startup_log(line) == {"mamba_slots": 80, "mamba_gb": 30.94, "mamba_reserve_gb": 27.9}
 
 
 def test_log_prefix_with_rank_tags_still_parses():

@@ -51,7 +51,12 @@ given sequence of requests always meets the same faults. Faults apply after requ
 request is still a 400).
 
 `DFLASH_EMU_PROFILE`: JSON object of model/speed knobs (defaults in parentheses):
-- `decode_tokens_per_s` (150): decode speed of each running request (tests use ~20000).
+- `preset` (none): start from a named profile fitted to SGLang's published Qwen3.6-27B figures (MTP on):
+  `qwen3.6-27b-b200-mtp` or `qwen3.6-27b-h200-mtp` (values in `faults.PRESETS`); other keys override it.
+- `decode_tokens_per_s` (150): decode speed of a request running alone (tests use ~20000).
+- `saturation_tokens_per_s` (0 = none): the GPU's aggregate decode ceiling. With it, each of b running requests
+  decodes at 1 / (1/decode_tokens_per_s + (b-1)/saturation_tokens_per_s) tok/s, so the per-request rate
+  falls as the batch grows and the aggregate saturates; without it every request runs at decode_tokens_per_s.
 - `prefill_tokens_per_s` (15000): prefill speed; a prefill stalls every running request.
 - `mean_output_tokens` (1820): mean reasoning + answer length (the seed's production mean).
 - `reasoning_share` (0.85): share of it that is reasoning.

@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
                mamba_slots=alloc.mamba_slots, mamba_ratio=alloc.mamba_ratio, hybrid=model_config.hybrid),
         Pace(decode_tokens_per_s=profile.decode_tokens_per_s, prefill_tokens_per_s=profile.prefill_tokens_per_s,
              num_draft_tokens=args.speculative_num_draft_tokens if args.speculative else None,
-             accept_length=profile.accept_length,
+             accept_length=profile.accept_length, saturation_tokens_per_s=profile.saturation_tokens_per_s,
              decode_log_every_s=2.0 * max(args.decode_log_interval, 1) / 40),
         seed=sum(gpu.encode()))
     emu = Emulator(args=args, model=model_config, alloc=alloc, faults=faults, profile=profile, gpu=gpu,

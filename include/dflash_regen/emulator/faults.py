@@ -45,7 +45,8 @@ class Faults:
 class Profile:
     """Speed and output-length knobs of the emulated model."""
 
-    decode_tokens_per_s: float = 150.0  # per running request
+    decode_tokens_per_s: float = 150.0  # per request running alone (every request's rate without a saturation)
+    saturation_tokens_per_s: float = 0.0  # aggregate decode ceiling of the GPU; 0 = none (aggregate grows linearly)
     prefill_tokens_per_s: float = 15000.0  # prefill stalls the whole batch, as on a GPU
     mean_output_tokens: float = 1820.0  # reasoning + answer, the seed's mean
     reasoning_share: float = 0.85
@@ -54,6 +55,24 @@ class Profile:
     accept_length: float = 3.1  # mean tokens per MTP step (1 without speculative decoding)
     gpu_memory_gb: float = 183.0
     startup_s: float = 0.3  # simulated load + graph-capture time before the HTTP front comes up
+    preset: str | None = None  # the named profile these values started from (PRESETS), if any
+
+
+# Profiles fitted to SGLang's published Qwen3.6-27B figures (cookbook `qwen3.6-benchmarks.jsx`, TP=1, BF16, MTP
+# on, isl 8192 / osl 1024; notes/peers-and-pain-points.md §4). Per-request decode time grows linearly with the
+# batch, t(b) = 1/decode + (b - 1)/saturation, so the two rates are fitted to two TPOTs:
+# - B200 c16: TPOT 10.8 ms. B200 c1 is not published: H200's c1 TPOT (5.6 ms) scaled by HBM bandwidth
+#   (4.8 -> 8 TB/s) gives 3.4 ms, i.e. ~300 tok/s alone; then 16 / 10.8 ms = 1,481 tok/s at c16 and a ceiling of
+#   ~2,000 tok/s, in line with the maintainers' "saturates by ~conc 16; high-throughput is ~+20% over c16".
+# - H200 c1 / c16: TPOT 5.6 / 17.3 ms -> 178 tok/s alone, ceiling ~1,280 tok/s.
+# Prefill is an effective rate: it makes the published c16 output throughput (~1,240 tok/s on B200 at isl 8192,
+# below the 1,481 of pure decode) come out of the same curve; with ~600-token prompts it hardly matters.
+PRESETS: dict[str, dict] = {
+    "qwen3.6-27b-b200-mtp": {"decode_tokens_per_s": 300.0, "saturation_tokens_per_s": 2000.0,
+                             "prefill_tokens_per_s": 60000.0, "accept_length": 3.1, "gpu_memory_gb": 183.0},
+    "qwen3.6-27b-h200-mtp": {"decode_tokens_per_s": 178.0, "saturation_tokens_per_s": 1280.0,
+                             "prefill_tokens_per_s": 30000.0, "accept_length": 3.1, "gpu_memory_gb": 141.0},
+}
 
 
 _RATES = {"http_error_rate", "hang_rate", "loop_rate", "reasoning_share"}
@@ -142,7 +161,18 @@ def load_faults(env: dict[str, str]) -> Faults:
 
 
 def load_profile(env: dict[str, str]) -> Profile:
-    return _build(Profile, PROFILE_VAR, "", _load_object(PROFILE_VAR, env.get(PROFILE_VAR)))
+    """The profile: a `preset`'s values (if named), overridden by the other keys."""
+    raw = _load_object(PROFILE_VAR, env.get(PROFILE_VAR))
+    preset = raw.get("preset")
+    if preset is not None and preset not in PRESETS:
+        raise EmulatorConfigError(f"{PROFILE_VAR}: key 'preset' = {preset!r} is invalid: known presets are "
+                                  f"{', '.join(PRESETS)}")
+    profile = _build(Profile, PROFILE_VAR, "", {**PRESETS.get(preset, {}), **raw})
+    if profile.saturation_tokens_per_s and profile.saturation_tokens_per_s < profile.decode_tokens_per_s:
+        raise EmulatorConfigError(f"{PROFILE_VAR}: key 'saturation_tokens_per_s' = {profile.saturation_tokens_per_s:g}"
+                                  f" is invalid: must be 0 (no ceiling) or >= decode_tokens_per_s "
+                                  f"({profile.decode_tokens_per_s:g}): a batch cannot be slower than one request")
+    return profile
 
 
 def gpu_id(env: dict[str, str]) -> str:

@@ -3,8 +3,9 @@
 One asyncio loop plays the GPU. Each iteration admits waiting requests while there are free slots (the
 effective max running requests, i.e. Mamba slots // ratio) and room in the KV pool, runs their prefill
 — which stalls every running request, as a prefill batch does on the GPU — then advances each running
-request at its own decode rate in MTP steps of 1..num_draft_tokens tokens. Iterations are at least 5 ms
-apart, so a very fast decode rate produces a few large updates rather than thousands of tiny ones.
+request at the decode rate of the current batch size (`Pace.per_request_rate`) in MTP steps of
+1..num_draft_tokens tokens. Iterations are at least 5 ms apart, so a very fast decode rate produces a few
+large updates rather than thousands of tiny ones.
 
 It also logs SGLang's `Prefill batch` (throttled to about one a second) and `Decode batch` (about every
 2 s at the default `--decode-log-interval 40`) lines. `wedge()` freezes it for good: no tokens, no log
@@ -88,11 +89,23 @@ class Limits:
 
 @dataclass(frozen=True)
 class Pace:
-    decode_tokens_per_s: float
+    decode_tokens_per_s: float  # one request running alone
     prefill_tokens_per_s: float
     num_draft_tokens: int | None  # None without speculative decoding
     accept_length: float
     decode_log_every_s: float = DECODE_LOG_EVERY_S
+    saturation_tokens_per_s: float = 0.0  # aggregate ceiling; 0 = every request at decode_tokens_per_s
+
+    def per_request_rate(self, batch: int) -> float:
+        """Decode tokens/s of each of `batch` running requests.
+
+        A decode step reads the weights once for the whole batch (a fixed cost) and does per-request work
+        (attention, MTP verification), so its time grows linearly with the batch: per-request rate falls as
+        1 / (1/decode + (b - 1)/saturation) while the aggregate b x rate approaches `saturation`.
+        """
+        if not self.saturation_tokens_per_s:
+            return self.decode_tokens_per_s
+        return 1.0 / (1.0 / self.decode_tokens_per_s + max(batch - 1, 0) / self.saturation_tokens_per_s)
 
 
 class Scheduler:
@@ -237,7 +250,7 @@ class Scheduler:
         self._last_prefill_at = now
 
     def _decode(self, dt: float, now: float) -> None:
-        rate = self.pace.decode_tokens_per_s
+        rate = self.pace.per_request_rate(len(self.running))
         for req in list(self.running):
             req.credit += dt * rate
             progressed = 0

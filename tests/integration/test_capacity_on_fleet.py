@@ -1,0 +1,106 @@
+"""The capacity planner against real emulator processes with a known throughput curve."""
+
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from dflash_regen import capacity, generation, probes
+from dflash_regen.demo_prompts import write_demo_prompts
+from dflash_regen.fleet import load_servers
+from dflash_regen.planning import plan_shards
+
+# Per-request decode 400 tok/s alone, 3,000 tok/s aggregate ceiling: 16 running requests make ~2,100 tok/s
+# per server, each request ~133 tok/s, so a 300-token answer takes ~2.3 s. Few enough tokens per second that
+# the client and the emulators stay far from CPU-bound on a loaded 2-core box, so the emulated decode time,
+# not scheduling noise, makes the wall time; prefill fast enough not to dominate.
+KNOWN_CURVE = {"decode_tokens_per_s": 400, "saturation_tokens_per_s": 3000, "mean_output_tokens": 300,
+               "prefill_tokens_per_s": 100000, "startup_s": 0.1}
+
+
+def planned(cfg, tmp_path, n, shard_size):
+    src = write_demo_prompts(tmp_path / "prompts.jsonl", n)
+    settings = type(cfg.plan)(shard_size=shard_size, max_tokens=cfg.plan.max_tokens,
+                              context_length=cfg.plan.context_length, max_bad_share=1.0)
+    return plan_shards(src, cfg.run_dir / "shards", cfg.run_dir / "failures" / "plan.parquet", settings)
+
+
+def test_predicted_wall_time_of_a_run_is_within_10_percent_of_the_measured_one(launch, tmp_path):
+    cfg, servers, key = launch(num_servers=2, emulator_profile=KNOWN_CURVE)
+    plan = planned(cfg, tmp_path, 192, shard_size=48)  # 4 shards (the 2 malformed demo rows are dropped)
+    health = probes.health_gate(servers, key, cfg.fleet)
+    shape = capacity.RunShape(prompts=plan["accepted"], servers=2, shard_size=48)
+    report = capacity.calibrate(servers[0], key, health, plan["shards"], cfg.generation, shape, prompts=96)
+    print(capacity.format_table(report))
+
+    # The seed's allocation on the emulator: 80 Mamba slots // 5 = 16, the KV cache holds hundreds.
+    assert report["binding"]["resource"] == "Mamba slots"
+    assert report["advice"]["server_flags"] == "--max-mamba-cache-size 160 --max-running-requests 32"
+    levels = report["calibration"]["levels"]
+    assert [lv["concurrency"] for lv in levels] == [1, 4, 8, 16]
+    per_request = [lv["tok_s"] / lv["running"] for lv in levels]
+    assert per_request == sorted(per_request, reverse=True)  # each request slows as the batch grows
+    assert report["curve"]["saturation_tok_s"] is not None
+
+    # The run, as Airflow runs it: two shard tasks at a time, each leasing a free server.
+    def run(shard):
+        lease = generation.lease_server(cfg.fleet_dir, load_servers(cfg.fleet_dir), shard["shard"], wait_s=30)
+        try:
+            paths = generation.ShardPaths.of(cfg.run_dir, shard["shard"], Path(shard["path"]))
+            return generation.generate_shard(paths, lease, key, cfg.generation, fleet_dir=cfg.fleet_dir)
+        finally:
+            lease.release()
+
+    started = time.monotonic()
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        results = list(pool.map(run, plan["shards"]))
+    measured = time.monotonic() - started
+    assert sum(r["completed"] for r in results) == plan["accepted"]
+    predicted = report["scenarios"][0]["wall_s"]
+    print(f"predicted {predicted:.1f} s (80% interval {report['scenarios'][0]['wall_s_interval']}), "
+          f"measured {measured:.1f} s")
+    assert abs(predicted - measured) / measured < 0.10, (predicted, measured)
+
+
+def test_a_kv_bound_server_is_named_kv_bound_with_flags_that_free_kv(launch, tmp_path):
+    # 8,000 KV tokens hold under 16 requests of the demo's ~900 tokens (prompt + answer): fewer than the slots.
+    cfg, servers, key = launch(num_servers=1, emulator_profile=KNOWN_CURVE, min_kv_tokens=0,
+                               emulator_faults={"*": {"kv_tokens": 8000}})
+    plan = planned(cfg, tmp_path, 32, shard_size=32)
+    health = probes.health_gate(servers, key, cfg.fleet)
+    shape = capacity.RunShape(prompts=plan["accepted"], servers=1, shard_size=32)
+    report = capacity.calibrate(servers[0], key, health, plan["shards"], cfg.generation, shape, prompts=32)
+    print(capacity.format_table(report))
+    assert report["binding"]["resource"] == "KV tokens"
+    assert "8,000 tokens" in report["binding"]["detail"]
+    # The speculative reserve is sized by --max-running-requests (48 by default): naming 16 frees it for KV.
+    assert "--max-running-requests 16" in report["advice"]["server_flags"]
+    assert report["advice"]["kv_tokens_advised"] > 8000
+    current = report["scenarios"][0]
+    assert current["running_per_server"] < 16
+
+
+def test_a_run_can_apply_the_advised_client_concurrency_and_its_eta_uses_the_calibrated_rate(launch, tmp_path,
+                                                                                              caplog):
+    from dflash_regen import dag_tasks
+    from dflash_regen.config import RunConfig
+
+    cfg, servers, key = launch(num_servers=1)  # the fast test profile: no saturation, 16 slots
+    plan = planned(cfg, tmp_path, 40, shard_size=20)
+    health = probes.health_gate(servers, key, cfg.fleet)
+    shape = capacity.RunShape(prompts=plan["accepted"], servers=1, shard_size=20)
+    report = capacity.calibrate(servers[0], key, health, plan["shards"], cfg.generation, shape, prompts=32)
+    dag_tasks.write_report(cfg, "capacity", report)
+    assert report["advice"]["concurrency_per_server"] == 18
+    params = {**cfg.params, "apply_advised_concurrency": True}
+    assert RunConfig.from_params(params, "test_run").capacity.apply_advised_concurrency
+    gen_log = logging.getLogger("dflash_regen.generation")
+    gen_log.addHandler(caplog.handler)  # importing Airflow stops this logger's records reaching the root
+    try:
+        with caplog.at_level("INFO", logger="dflash_regen.generation"):
+            result = dag_tasks.generate(params, "test_run", {**plan["shards"][0], "run_prompts": plan["accepted"]})
+    finally:
+        gen_log.removeHandler(caplog.handler)
+    assert result["completed"] == 20
+    assert "18 in flight" in caplog.text  # not the server's 16 slots
+    assert "(calibrated rate)" in caplog.text  # 20 results < two batches of 18: the shard's own rate is too young
