@@ -39,6 +39,11 @@ def root(tmp_path):
     (reports / "smoke.json").write_text(json.dumps({"passed": True, "max_tokens": 16384, "servers": [
         {"server": "server 0 (GPU 0, 127.0.0.1:30000)", "ok": True, "results": [
             {"prompt": "coding", "ok": True, "finish_reason": "stop", "tokens_per_s": 150.0, "problem": ""}]}]}))
+    (reports / "capacity.json").write_text(json.dumps({
+        "binding": {"resource": "Mamba slots", "detail": "80 Mamba slots // 5 = 16 running requests"},
+        "advice": {"server_flags": "--max-mamba-cache-size 160 --max-running-requests 32",
+                   "concurrency_per_server_advised": 36, "notes": []},
+        "table": [{"fleet tok/s": "10,280", "settings": "current"}, {"fleet tok/s": "11,809", "settings": "advised"}]}))
     write_parquet(run / "tokenized" / "summary-00000.parquet",
                   {"loss_mask_sum": [6, 6, 6, 6, 900, 1200, 1500, 2000]})
     write_parquet(run / "failures" / "plan.parquet", {"sample_id": ["a"], "reason": ["bad_role"]})
@@ -103,6 +108,8 @@ def test_fleet_page_shows_allocation_smoke_and_progress_without_double_counting_
     html = client.get(f"/runs/{RUN}/fleet").text
     assert "1,139,584" in html and "Mamba slots (80 // 5 = 16)" in html and "coding" in html
     assert "server 0 <b>" not in html and "server 0 &lt;b&gt;" in html  # names are escaped
+    assert "<b>Mamba slots</b>" in html and "--max-mamba-cache-size 160 --max-running-requests 32" in html
+    assert html.index("<th>settings</th>") < html.index("<th>fleet tok/s</th>") and "11,809" in html
 
 
 def test_data_docs_are_served_offline_and_nothing_outside_them(client):
