@@ -29,7 +29,9 @@ def test_demo_dag_runs_green_on_seven_emulated_servers(dag, run_params, no_lefto
     assert health["passed"] and len(health["servers"]) == 7
     capacity = json.loads((run_dir / "reports" / "capacity.json").read_text())
     assert capacity["run"]["prompts"] == plan["accepted"] and capacity["run"]["servers"] == 7
-    assert capacity["binding"]["resource"] == "Mamba slots" and capacity["scenarios"][0]["wall_s"] > 0
+    # At the test profile's 20K tok/s per request the 2-core box itself can saturate first ("compute");
+    # tests/integration/test_capacity_on_fleet.py checks the Mamba-bound advice on a known curve.
+    assert capacity["binding"]["resource"] in ("Mamba slots", "compute") and capacity["scenarios"][0]["wall_s"] > 0
     assert smoke["passed"] and all(s["ok"] for s in smoke["servers"])
     assert sorted(p.name for p in (run_dir / "fleet").glob("server-*.log")) == [f"server-{i}.log" for i in range(7)]
     assert (Path(conf["staging_dir"]) / "config.json").is_file()
