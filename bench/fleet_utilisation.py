@@ -9,35 +9,37 @@ on the same fleet, with the same prompts:
   non-streaming requests.
 Capacity = servers x slots x decode rate. The emulator's /metrics gauges give slot occupancy over time.
 
-    .venv/bin/python bench/fleet_utilisation.py [--per-server 48] [--decode 150] [--out bench/results]
+    .venv/bin/python bench/fleet_utilisation.py [--per-server 48] [--decode 150] [--quick]
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import platform
 import re
-import sys
-import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import requests
+from benchlib import (
+    SLOTS,
+    emulated_fleet,
+    figure,
+    parser,
+    plain_client,
+    plan,
+    shard_rows,
+    work_dir,
+    write_prompts,
+    write_result,
+)
 
-from dflash_regen import fleet, generation
-from dflash_regen.config import DEFAULTS, RunConfig
-from dflash_regen.demo_model import write_demo_model
-from dflash_regen.demo_prompts import demo_rows
-from dflash_regen.planning import plan_shards
+from dflash_regen import generation
 
-SLOTS = 16
 METRIC = re.compile(r"^sglang:(num_running_reqs|generation_tokens_total)\{[^}]*\} ([\d.e+]+)$", re.M)
 
 
-def sample_metrics(servers, stop: threading.Event, out: list) -> None:
+def sample_metrics(servers, stop: threading.Event, out: list, every_s: float) -> None:
     while not stop.is_set():
         t = time.monotonic()
         row = {"t": t, "running": 0, "tokens": 0.0}
@@ -46,17 +48,17 @@ def sample_metrics(servers, stop: threading.Event, out: list) -> None:
             for name, value in METRIC.findall(text):
                 row["running" if name == "num_running_reqs" else "tokens"] += float(value)
         out.append(row)
-        stop.wait(0.5)
+        stop.wait(every_s)
 
 
-def measure(name, servers, work, capacity) -> dict:
+def measure(name, servers, work, capacity, every_s: float) -> dict:
     samples: list = []
     stop = threading.Event()
-    sampler = threading.Thread(target=sample_metrics, args=(servers, stop, samples))
+    sampler = threading.Thread(target=sample_metrics, args=(servers, stop, samples, every_s))
     sampler.start()
-    started = time.monotonic()
-    output_tokens = work()
-    wall = time.monotonic() - started
+    started, cpu = time.monotonic(), time.process_time()
+    output_tokens, requests_sent = work()
+    wall, cpu = time.monotonic() - started, time.process_time() - cpu  # the servers are other processes
     stop.set()
     sampler.join()
     full = len(servers) * SLOTS
@@ -73,78 +75,69 @@ def measure(name, servers, work, capacity) -> dict:
     return {"client": name, "wall_s": round(wall, 2), "output_tokens": output_tokens,
             "tok_per_s": round(output_tokens / wall, 1), "utilisation": round(output_tokens / wall / capacity, 4),
             "steady_utilisation": round(steady, 4) if steady is not None else None,
-            "slot_occupancy": round(occupancy, 4)}
+            "slot_occupancy": round(occupancy, 4),
+            "client_cpu_s_per_1k_requests": round(cpu / requests_sent * 1000, 2)}
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = parser(__doc__)
     ap.add_argument("--per-server", type=int, default=48, help="prompts per server (3 rounds of 16 slots)")
     ap.add_argument("--decode", type=float, default=150.0, help="emulated decode tok/s per running request")
+    ap.add_argument("--mean-tokens", type=float, default=1820.0, help="emulated mean output tokens")
     ap.add_argument("--servers", type=int, default=7)
-    ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = ap.parse_args()
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-    from conftest import free_port_block  # the tests' free-port finder
+    if args.quick:
+        args.servers, args.per_server, args.decode, args.mean_tokens = 2, 48, 400.0, 300.0
+    every_s = 0.2 if args.quick else 0.5  # /metrics sampling period
 
-    work_dir = Path(tempfile.mkdtemp(prefix="dflash-bench-"))
-    params = {**DEFAULTS, "output_root": str(work_dir / "out"), "num_servers": args.servers,
-              "base_port": free_port_block(args.servers), "shard_size": args.per_server,
-              "emulator_profile": {"decode_tokens_per_s": args.decode, "startup_s": 0.1}, "ready_timeout_s": 120.0}
-    cfg = RunConfig.from_params(params, "bench")
-    servers = fleet.launch_fleet(cfg.fleet, write_demo_model(work_dir / "model"), cfg.fleet_dir)
-    key = fleet.read_api_key(cfg.fleet_dir)
+    work = work_dir("fleet")
     capacity = args.servers * SLOTS * args.decode
-    try:
-        src = work_dir / "prompts.jsonl"
-        n = args.servers * args.per_server
-        rows = demo_rows(n)[:n]  # without the two malformed demo rows
-        src.write_text("".join(json.dumps(r) + "\n" for r in rows))
-        plan = plan_shards(src, cfg.run_dir / "shards", cfg.run_dir / "failures" / "plan.parquet", cfg.plan)
+    profile = {"decode_tokens_per_s": args.decode, "mean_output_tokens": args.mean_tokens, "startup_s": 0.1}
+    with emulated_fleet(work, args.servers, profile, shard_size=args.per_server) as fl:
+        cfg = fl.cfg
+        planned = plan(fl.params, "bench", write_prompts(work / "prompts.jsonl", args.servers * args.per_server))
 
-        def ours() -> int:
+        def ours() -> tuple[int, int]:
             def one(shard):
                 paths = generation.ShardPaths.of(cfg.run_dir, shard["shard"], Path(shard["path"]))
-                lease = generation.lease_server(cfg.fleet_dir, servers, shard["shard"], wait_s=60)
+                lease = generation.lease_server(cfg.fleet_dir, fl.servers, shard["shard"], wait_s=60)
                 try:
-                    return generation.generate_shard(paths, lease, key, cfg.generation, fleet_dir=cfg.fleet_dir)
+                    return generation.generate_shard(paths, lease, fl.key, cfg.generation, fleet_dir=cfg.fleet_dir)
                 finally:
                     lease.release()
 
-            with ThreadPoolExecutor(len(plan["shards"])) as pool:
-                return sum(r["output_tokens"] for r in pool.map(one, plan["shards"]))
+            with ThreadPoolExecutor(len(planned["shards"])) as pool:
+                done = list(pool.map(one, planned["shards"]))
+            return sum(r["output_tokens"] for r in done), sum(r["completed"] for r in done)
 
-        def plain() -> int:
-            # The same prompts per server as ours: shard i (consecutive rows) on server i.
-            per_server = [rows[i * args.per_server : (i + 1) * args.per_server] for i in range(args.servers)]
-
-            def server_job(server, prompts):
-                session = requests.Session()
-
-                def send(row):  # the same request ours sends (seed included), so lengths match
-                    seed = generation.sample_seed(row["id"], cfg.generation.seed)
-                    body = generation.chat_payload(row["messages"], row.get("tools"), cfg.generation, seed,
-                                               cfg.generation.max_tokens)
-                    resp = session.post(f"{server.url}/v1/chat/completions", json=body, timeout=3600,
-                                        headers={"Authorization": f"Bearer {key}"})
-                    return resp.json()["usage"]["completion_tokens"]
-
-                with ThreadPoolExecutor(SLOTS) as pool:
-                    return sum(pool.map(send, prompts))
+        def plain() -> tuple[int, int]:
+            # The same prompts per server as ours: shard i on server i (ours leases shard i to server i too).
+            def server_job(server, shard):
+                return plain_client(server.url, fl.key, shard_rows(Path(shard["path"])), cfg.generation)
 
             with ThreadPoolExecutor(args.servers) as pool:
-                return sum(pool.map(server_job, servers, per_server))
+                done = list(pool.map(server_job, fl.servers, planned["shards"]))
+            return sum(r["output_tokens"] for r in done), sum(r["requests"] for r in done)
 
-        results = [measure("ours", servers, ours, capacity), measure("plain", servers, plain, capacity)]
-    finally:
-        fleet.stop_fleet(cfg.fleet_dir)
-    report = {"benchmark": "fleet_utilisation", "servers": args.servers, "slots_per_server": SLOTS,
-              "decode_tok_per_s_per_request": args.decode, "capacity_tok_per_s": capacity,
-              "prompts": args.servers * args.per_server, "machine": f"{platform.machine()}, {platform.node()}",
-              "results": results,
-              "ours_over_plain": round(results[0]["tok_per_s"] / results[1]["tok_per_s"], 3)}
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "fleet_utilisation.json").write_text(json.dumps(report, indent=1))
-    print(json.dumps(report, indent=1))
+        ours_run, plain_run = (measure("ours", fl.servers, ours, capacity, every_s),
+                               measure("plain", fl.servers, plain, capacity, every_s))
+
+    settings = {"servers": args.servers, "slots_per_server": SLOTS, "decode_tok_per_s_per_request": args.decode,
+                "capacity_tok_per_s": capacity, "prompts": args.servers * args.per_server}
+    figures = [
+        figure(1, "Fleet utilisation, whole run (ours)", ours_run["utilisation"], "output tok/s / fleet capacity",
+               "1.0", tok_per_s=ours_run["tok_per_s"], capacity_tok_per_s=capacity, wall_s=ours_run["wall_s"],
+               output_tokens=ours_run["output_tokens"], prompts=settings["prompts"]),
+        figure(1, "Fleet utilisation, steady state (ours)", ours_run["steady_utilisation"],
+               "output tok/s while all slots busy / capacity", "1.0", slot_occupancy=ours_run["slot_occupancy"],
+               plain_steady=plain_run["steady_utilisation"]),
+        figure(1, "Fleet utilisation, ours / plain client", ours_run["tok_per_s"] / plain_run["tok_per_s"],
+               "ours tok/s / plain tok/s (same fleet, same requests)", ">= 1", ours_tok_per_s=ours_run["tok_per_s"],
+               plain_tok_per_s=plain_run["tok_per_s"], plain_utilisation=plain_run["utilisation"],
+               ours_cpu_s_per_1k=ours_run["client_cpu_s_per_1k_requests"],
+               plain_cpu_s_per_1k=plain_run["client_cpu_s_per_1k_requests"]),
+    ]
+    write_result(args.out, "fleet_utilisation", figures, {**settings, "results": [ours_run, plain_run]})
 
 
 if __name__ == "__main__":

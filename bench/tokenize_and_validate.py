@@ -5,18 +5,17 @@
 - GX: the quality suite (`quality.run_suite`, Data Docs included) on synthetic summary tables of 100K and
   902,087 rows (the seed's size), and the ratio between them.
 
-    .venv/bin/python bench/tokenize_and_validate.py [--samples 2000] [--out bench/results]
+    .venv/bin/python bench/tokenize_and_validate.py [--samples 2000] [--gx-rows 100000 902087] [--quick]
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import random
 import resource
-import tempfile
 import time
 from pathlib import Path
+
+from benchlib import figure, parser, work_dir, write_result
 
 from dflash_regen.demo_model import write_demo_model
 from dflash_regen.demo_prompts import demo_rows
@@ -51,7 +50,7 @@ def bench_tokenize(samples: int, work: Path) -> dict:
     plain = time.perf_counter() - started
     return {"samples": samples, "tokens": ours_tokens, "raw_tokens": raw_tokens,
             "ours_tok_per_s": round(ours_tokens / ours), "raw_tiktoken_tok_per_s": round(raw_tokens / plain),
-            "ratio_ours_over_raw": round((ours_tokens / ours) / (raw_tokens / plain), 3)}
+            "ratio_ours_over_raw": (ours_tokens / ours) / (raw_tokens / plain)}
 
 
 def summary_rows(n: int) -> list[dict]:
@@ -75,22 +74,28 @@ def bench_gx(sizes: list[int], work: Path) -> list[dict]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = parser(__doc__)
     ap.add_argument("--samples", type=int, default=2000)
-    ap.add_argument("--gx-rows", type=int, nargs="+", default=[100_000, 902_087])
-    ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    ap.add_argument("--gx-rows", type=int, nargs=2, default=[100_000, 902_087])
     args = ap.parse_args()
-    work = Path(tempfile.mkdtemp(prefix="dflash-bench-tok-"))
-    report = {"benchmark": "tokenize_and_validate", "tokenize": bench_tokenize(args.samples, work),
-              "gx": bench_gx(args.gx_rows, work)}
-    if len(report["gx"]) == 2:
-        a, b = report["gx"]
-        report["gx_seconds_ratio"] = round(b["seconds"] / a["seconds"], 2)
-        report["gx_rows_ratio"] = round(b["rows"] / a["rows"], 2)
-    report["peak_rss_mb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "tokenize_and_validate.json").write_text(json.dumps(report, indent=1))
-    print(json.dumps(report, indent=1))
+    if args.quick:
+        args.samples, args.gx_rows = 40, [2_000, 18_000]
+    work = work_dir("tok")
+    tok = bench_tokenize(args.samples, work)
+    small, large = bench_gx(args.gx_rows, work)
+    figures = [
+        figure(5, "Tokenize: tokenize_sample tok/s", tok["ratio_ours_over_raw"],
+               "ours / raw tiktoken encode (same text)", "1.0 (encode only)",
+               ours_tok_per_s=tok["ours_tok_per_s"], raw_tok_per_s=tok["raw_tiktoken_tok_per_s"],
+               samples=tok["samples"], tokens=tok["tokens"]),
+        figure(5, f"GX validation time, {large['rows']:,} / {small['rows']:,} summary rows",
+               large["seconds"] / small["seconds"], f"seconds ratio for {large['rows'] / small['rows']:.1f}x rows",
+               f"<= {large['rows'] / small['rows']:.1f} (linear)", **{f"seconds_{r['rows']}": r["seconds"]
+                                                                      for r in (small, large)}),
+    ]
+    write_result(args.out, "tokenize_and_validate", figures, {
+        "tokenize": tok, "gx": [small, large],
+        "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)})
 
 
 if __name__ == "__main__":
