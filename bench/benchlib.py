@@ -12,6 +12,7 @@ then its own, read with `os.wait4`):
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
 import platform
@@ -70,7 +71,11 @@ def machine() -> dict:
 
 
 def work_dir(name: str) -> Path:
-    return Path(tempfile.mkdtemp(prefix=f"dflash-bench-{name}-"))
+    """A private temp dir, removed at exit (up to ~1 GB of prompts and shards) unless DFLASH_BENCH_KEEP=1."""
+    path = Path(tempfile.mkdtemp(prefix=f"dflash-bench-{name}-"))
+    if os.environ.get("DFLASH_BENCH_KEEP") != "1":
+        atexit.register(shutil.rmtree, path, ignore_errors=True)
+    return path
 
 
 # --------------------------------------------------------------------------------------- fleet, prompts
