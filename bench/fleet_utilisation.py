@@ -87,7 +87,7 @@ def main() -> None:
     ap.add_argument("--servers", type=int, default=7)
     args = ap.parse_args()
     if args.quick:
-        args.servers, args.per_server, args.decode, args.mean_tokens = 2, 48, 400.0, 300.0
+        args.servers, args.per_server, args.decode, args.mean_tokens = 2, 32, 400.0, 300.0
     every_s = 0.2 if args.quick else 0.5  # /metrics sampling period
 
     work = work_dir("fleet")

@@ -49,7 +49,7 @@ def main() -> None:
     ap.add_argument("--mean-tokens", type=float, default=1820.0)
     args = ap.parse_args()
     if args.quick:
-        args.prompts, args.decode, args.mean_tokens = 48, 2000.0, 300.0
+        args.prompts, args.decode, args.mean_tokens = 32, 2000.0, 300.0
     work = work_dir("resume")
     scale = args.decode / 150.0  # how much faster than a B200 request the emulated one decodes
     profile = {"decode_tokens_per_s": args.decode, "mean_output_tokens": args.mean_tokens, "startup_s": 0.1}
