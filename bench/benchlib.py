@@ -148,9 +148,9 @@ def plan(params: dict, run_id: str, source: Path) -> dict:
 
 
 # -------------------------------------------------------------------------------- measured child processes
-def spawn(argv: list[str], log_path: Path, env: dict | None = None) -> subprocess.Popen:
-    with log_path.open("wb") as log:
-        return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=log, env=env, start_new_session=True)
+def spawn(argv: list[str], log_path: Path) -> subprocess.Popen:
+    with log_path.open("wb") as log:  # own session: a kill of its group reaches nothing else
+        return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=log, start_new_session=True)
 
 
 def reap(proc: subprocess.Popen, started: float, log_path: Path, *, check: bool = True) -> dict:
@@ -168,9 +168,9 @@ def reap(proc: subprocess.Popen, started: float, log_path: Path, *, check: bool 
             "output": json.loads(lines[-1]) if lines and proc.returncode == 0 else None}
 
 
-def run_measured(argv: list[str], log_path: Path, env: dict | None = None) -> dict:
+def run_measured(argv: list[str], log_path: Path) -> dict:
     started = time.monotonic()
-    return reap(spawn(argv, log_path, env), started, log_path)
+    return reap(spawn(argv, log_path), started, log_path)
 
 
 def cli_argv(cmd: str, params: dict, run_id: str, *args: str, folder: Path) -> list[str]:
