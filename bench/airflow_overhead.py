@@ -15,6 +15,7 @@ migrated SQLite DB) the way tests/conftest.py sets one up.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -27,11 +28,11 @@ NOT_RUN = "tokenize|validate|publish"
 
 def own_airflow_home() -> str:
     sys.path.insert(0, str(ROOT / "tests"))
-    import conftest  # sets AIRFLOW_HOME to a fresh temp dir and the rest of the test environment
+    import conftest  # noqa: F401  sets AIRFLOW_HOME to a fresh temp dir and the rest of the test environment
 
     airflow = Path(sys.executable).parent / "airflow"
     subprocess.run([str(airflow), "db", "migrate"], capture_output=True, check=True, timeout=600)
-    return conftest.os.environ["AIRFLOW_HOME"]
+    return os.environ["AIRFLOW_HOME"]
 
 
 def params_for(work: Path, label: str, shards: int) -> dict:
