@@ -1,8 +1,8 @@
 """Airflow overhead (figure 3): wall time of N mapped shards under Airflow minus the work itself.
 
 For N = 1, 10, 100 one-prompt shards on a zero-latency emulated fleet (one server), side by side:
-- direct: the task bodies (`dag_tasks.*`: stage, launch, health, smoke, plan, N x generate, stop) called in
-  the DAG's order in this process: the work itself;
+- direct: the task bodies (`dag_tasks.*`: stage, launch, health, smoke, plan, calibrate, N x generate,
+  stop) called in the DAG's order in this process: the work itself;
 - Airflow: the same DAG run by `dag.test()` (no executor: each task instance runs in this process, one at a
   time, through the Task SDK's task runner and the metadata DB, SQLite), with the same Params. `tokenize`,
   `validate` and `publish` are marked success instead of run (`mark_success_pattern`): their work is not
@@ -37,7 +37,9 @@ def own_airflow_home() -> str:
 
 def params_for(work: Path, label: str, shards: int) -> dict:
     source = write_prompts(work / f"prompts-{shards}.jsonl", shards)
-    return run_params(work / label, 1, ZERO_LATENCY, prompt_source=str(source), shard_size=1)
+    # calibrate needs 32+ prompts and is a once-per-run cost, not a per-shard one: its task runs and skips.
+    return run_params(work / label, 1, ZERO_LATENCY, prompt_source=str(source), shard_size=1,
+                      calibration_prompts=0)
 
 
 def direct(params: dict, run_id: str) -> int:
@@ -49,6 +51,7 @@ def direct(params: dict, run_id: str) -> int:
         dag_tasks.health_check(params, run_id)
         dag_tasks.smoke_test(params, run_id)
         shards = dag_tasks.plan_shards(params, run_id)
+        dag_tasks.calibrate(params, run_id)
         for shard in shards:
             dag_tasks.generate(params, run_id, shard)
     finally:
