@@ -66,6 +66,10 @@ class CapacityError(DflashError):
     """The fleet could not be measured (no metrics, no answers, no prompts)."""
 
 
+class TooFewPrompts(CapacityError):
+    """The run is smaller than one calibration: there is nothing worth predicting."""
+
+
 # ------------------------------------------------------------------------------------------------ the curve
 @dataclass(frozen=True)
 class Curve:
@@ -604,7 +608,7 @@ def calibrate(server: Server, api_key: str, health: dict, shards: list[dict], se
     slots = entry["allocation"]["running_slots"]
     sample = sample_prompts(shards, max(prompts, 2 * slots), settings.seed)
     if len(sample) < 2 * slots:
-        raise CapacityError(f"calibration needs at least {2 * slots} prompts (twice the {slots} slots) to reach a "
+        raise TooFewPrompts(f"calibration needs at least {2 * slots} prompts (twice the {slots} slots) to reach a "
                             f"steady state, the run has {len(sample)}; set Param calibration_prompts to 0 to skip it")
     calibration = measure_server(server, api_key, settings, sample, slots)
     return plan_report(calibration, memories(health, server.url), shape, server_flags=server_flags,

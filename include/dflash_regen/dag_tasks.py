@@ -129,7 +129,10 @@ def calibrate(params: dict, run_id: str) -> dict:
     try:
         report = capacity.calibrate(lease.server, key, health, plan["shards"], cfg.generation, shape,
                                     prompts=cfg.capacity.calibration_prompts,
-                                    server_flags=cfg.params.get("server_flags", ""))
+                                    server_flags=cfg.params.get("server_flags") or "")
+    except capacity.TooFewPrompts as exc:  # a run this small is over before a prediction would help
+        log.warning("calibration skipped: %s", exc)
+        return {"calibrated": False}
     except capacity.CapacityError as exc:
         if not fleet.is_alive(lease.server):  # so the retry measures another server, as a shard's would
             fleet.mark_unhealthy(cfg.fleet_dir, lease.server, str(exc))

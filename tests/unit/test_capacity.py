@@ -129,3 +129,18 @@ def test_the_cli_re_plans_a_stored_report_for_another_run_size(tmp_path, capsys)
     assert capacity.main(["plan", str(stored), "--prompts", "7000", "--servers", "7"]) == 0
     out = capsys.readouterr().out
     assert "7,000 prompts x 1,820 mean output tokens" in out and "| advised: --max-mamba-cache-size 160" in out
+
+
+def test_a_run_smaller_than_one_calibration_is_not_calibrated(tmp_path):
+    from types import SimpleNamespace
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    shard = tmp_path / "shard-00000.parquet"
+    pq.write_table(pa.table({"sample_id": ["a", "b"], "messages": ['[]', '[]'], "tools": [None, None]}), shard)
+    server = SimpleNamespace(url="http://127.0.0.1:1", name="server 0")  # never contacted
+    health = {"servers": [{"url": server.url, "allocation": {"running_slots": 16}}]}
+    with pytest.raises(capacity.TooFewPrompts, match="at least 32 prompts"):
+        capacity.calibrate(server, "key", health, [{"path": str(shard), "prompts": 2}], SimpleNamespace(seed=0),
+                           None, prompts=64)
