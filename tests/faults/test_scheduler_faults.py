@@ -1,6 +1,6 @@
 """Fault-matrix cases that need a real scheduler (tests/live_airflow.py): tasks run in their own processes,
-so the node can die under them. Case 2 (a shard task SIGKILLed mid-shard, then one mapped task cleared) is
-tests/live/test_airflow_ui.py's REST test.
+so the node can die under them, and a task can be stopped and stepped to the exact moment to kill it.
+Case 2 (a shard task SIGKILLed mid-shard, then one mapped task cleared) is in tests/live/test_airflow_ui.py.
 """
 
 import json
@@ -10,7 +10,10 @@ import signal
 import time
 
 import pyarrow.parquet as pq
+from conftest import processes_mentioning
 from live_airflow import completion_ids, published_manifest, run_dir
+
+from dflash_regen.config import safe_run_id
 
 SHARD_LINE = re.compile(r"shard (\d+) on .*?: (\d+) prompts, (\d+) done before, (\d+) quarantined before, "
                         r"(\d+) to send")
@@ -76,3 +79,49 @@ def test_9_node_dies_mid_run_and_the_same_run_id_resumes_without_redoing_work(li
     assert counts["prompts"] == counts["published"] + counts["quarantined"]
     versions = list((af.output_root / "published" / "node-crash").iterdir())
     assert [v.name for v in versions] == [folder.name], "published more than once, or a partial version"
+
+
+def step_until(pid: int, done, slice_s: float = 0.002, timeout_s: float = 120) -> bool:
+    """Run a stopped process in short slices until `done()` holds while it is stopped; leaves it stopped."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if done():
+            return True
+        os.kill(pid, signal.SIGCONT)
+        time.sleep(slice_s)
+        os.kill(pid, signal.SIGSTOP)
+        time.sleep(0.001)  # let the stop land before looking at the files
+    return False
+
+
+def test_10_publish_killed_mid_copy_leaves_no_visible_version_and_the_retry_publishes_once(live_airflow):
+    af = live_airflow
+    run_id, dataset = "publish_kill", "publish-kill"
+    af.trigger(run_id, {"shard_size": 20, "calibration_prompts": 0, "dataset_name": dataset})
+    published = af.output_root / "published" / dataset
+    deadline = time.monotonic() + 600
+    while True:  # the publish task's own process: the Task SDK titles it "airflow worker -- <ti id>"
+        ti = next(t for t in af.task_instances(run_id) if t["task_id"] == "publish")
+        pids = processes_mentioning(f"airflow worker -- {ti['id']}") if ti["state"] == "running" else []
+        if pids:
+            break
+        assert time.monotonic() < deadline and ti["state"] not in ("success", "failed"), ti["state"]
+        time.sleep(0.02)
+    os.kill(pids[0], signal.SIGSTOP)
+
+    def mid_copy() -> bool:
+        return any(published.glob(".*.tmp/conversations.jsonl")) if published.is_dir() else False
+
+    caught = step_until(pids[0], mid_copy)
+    os.kill(pids[0], signal.SIGKILL)
+    assert caught, "publish never got to its copy while being stepped"
+    assert [p.name for p in published.iterdir() if not p.name.startswith(".")] == [], "a partial version is visible"
+
+    assert af.wait_run(run_id, timeout_s=300) == "success"  # publish's own retry
+    versions = sorted(p.name for p in published.iterdir())
+    assert versions == [safe_run_id(run_id)], f"published more than once or left a temporary dir: {versions}"
+    ti = next(t for t in af.task_instances(run_id) if t["task_id"] == "publish")
+    assert ti["try_number"] == 2
+    counts = published_manifest(af, run_id, dataset)["counts"]
+    assert counts["prompts"] == counts["published"] + counts["quarantined"]
+    assert pq.read_table(published / versions[0] / "tokenized").num_rows == counts["published"]
