@@ -90,6 +90,21 @@ def trigger_from_form(page, af: LiveAirflow, fields: dict[tuple[str, str], str],
     return unquote(page.url.split("/runs/")[1].split("/")[0])
 
 
+def fail_one_shard(af: LiveAirflow, run_id: str, shard: int, victim: str, dataset: str) -> dict:
+    """Kill `victim` ('server' or 'task') in the middle of `shard`; the run fails on that shard alone."""
+    killer = kill_in_the_middle_of_shard(run_dir(af, run_id), shard=shard, victim=victim)
+    assert af.wait_run(run_id, timeout_s=600) == "failed"
+    killer.join(1)
+    assert killer.killed, f"the fault never fired: shard {shard} checkpointed nothing while it ran"
+    states = af.wait_settled(run_id)
+    others = [k for k in states if k.startswith("generate[") and k != f"generate[{shard}]"]
+    assert states[f"generate[{shard}]"] == "failed" and others, states
+    assert all(states[k] == "success" for k in others), states
+    assert states["publish"] == "upstream_failed" and states["stop_fleet"] == "success", states
+    assert not (af.output_root / "published" / dataset).exists(), "a failed run published something"
+    return killer.killed
+
+
 def test_user_triggers_from_the_form_clears_the_failed_shard_and_reads_the_reports(live_airflow, browser,
                                                                                    screenshots):
     af = live_airflow
@@ -101,15 +116,7 @@ def test_user_triggers_from_the_form_clears_the_failed_shard_and_reads_the_repor
                                screenshots / "02-trigger-form.png")
     folder = run_dir(af, run_id)
     # The fault: the server working on shard 2 is SIGKILLed once the shard has results on disk.
-    killer = kill_in_the_middle_of_shard(folder, shard=2, victim="server")
-    assert af.wait_run(run_id, timeout_s=600) == "failed"
-    killer.join(1)
-    assert killer.killed, "the fault never fired: shard 2 checkpointed nothing while its server ran"
-    states = af.wait_settled(run_id)
-    assert states["generate[2]"] == "failed", states
-    assert all(states[f"generate[{i}]"] == "success" for i in (0, 1, 3, 4, 5)), states
-    assert states["publish"] == "upstream_failed" and states["stop_fleet"] == "success", states
-    assert not (af.output_root / "published").exists(), "a failed run published something"
+    killed = fail_one_shard(af, run_id, shard=2, victim="server", dataset="qwen3.6-27b-regen")
 
     # The user opens the failed shard, reads why, and clears it (with Downstream, the form's default).
     page.goto(f"{af.url}/dags/dflash_regen/runs/{quote(run_id)}/tasks/generate/mapped/2")
@@ -128,7 +135,7 @@ def test_user_triggers_from_the_form_clears_the_failed_shard_and_reads_the_repor
     assert set(states.values()) == {"success"}, states
     retry_log = af.task_log(run_id, "generate", 2, map_index=2)
     done_before = int(re.search(r"(\d+) done before", retry_log).group(1))
-    assert done_before >= killer.killed["results_on_disk"] > 0, retry_log[-2000:]
+    assert done_before >= killed["results_on_disk"] > 0, retry_log[-2000:]
 
     manifest = published_manifest(af, run_id, "qwen3.6-27b-regen")
     counts = manifest["counts"]
@@ -169,12 +176,7 @@ def test_rest_clear_of_one_mapped_shard_after_its_task_process_was_killed(live_a
     af.trigger(run_id, {"shard_size": 20, "checkpoint_every": 4, "dataset_name": "rest-retry"})
     folder = run_dir(af, run_id)
     # Issue 7 case 2 under a real scheduler: the shard task itself is SIGKILLed mid-shard.
-    killer = kill_in_the_middle_of_shard(folder, shard=1, victim="task")
-    assert af.wait_run(run_id, timeout_s=600) == "failed"
-    killer.join(1)
-    assert killer.killed, "the fault never fired"
-    states = af.wait_settled(run_id)
-    assert states["generate[1]"] == "failed", states
+    killed = fail_one_shard(af, run_id, shard=1, victim="task", dataset="rest-retry")
 
     body = {"dag_run_id": run_id, "task_ids": [["generate", 1]], "only_failed": False,
             "include_downstream": True}
@@ -188,7 +190,7 @@ def test_rest_clear_of_one_mapped_shard_after_its_task_process_was_killed(live_a
     assert af.wait_run(run_id, timeout_s=600, states={"success"}) == "success"
     retry_log = af.task_log(run_id, "generate", 2, map_index=1)
     done_before = int(re.search(r"(\d+) done before", retry_log).group(1))
-    assert done_before >= killer.killed["results_on_disk"] > 0
+    assert done_before >= killed["results_on_disk"] > 0
     ids = completion_ids(folder)
     assert len(ids) == len(set(ids)), "a sample was generated twice"
     counts = published_manifest(af, run_id, "rest-retry")["counts"]
