@@ -125,7 +125,7 @@ def build_app(output_root: Path, auth: Callable) -> FastAPI:
         docs = (run_dir(run_id) / "reports" / "data_docs").resolve()
         target = (docs / (path or "index.html")).resolve()
         if target.is_dir():
-            target = target / "index.html"
+            target = (target / "index.html").resolve()
         if docs not in target.parents or not target.is_file():
             raise HTTPException(404, f"no Data Docs page {path!r} for run {run_id!r} (has validate run yet?)")
         if target.suffix == ".html":
