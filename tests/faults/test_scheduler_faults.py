@@ -33,7 +33,8 @@ def results_on_disk(folder) -> int:
 
 def test_9_node_dies_mid_run_and_the_same_run_id_resumes_without_redoing_work(live_airflow):
     af = live_airflow
-    run_id, conf = "node_crash", {"shard_size": 20, "checkpoint_every": 4, "dataset_name": "node-crash"}
+    run_id, conf = "node_crash", {"shard_size": 20, "checkpoint_every": 4, "calibration_prompts": 0,
+                                  "dataset_name": "node-crash"}
     af.trigger(run_id, conf)
     folder = run_dir(af, run_id)
     deadline = time.monotonic() + 300

@@ -112,8 +112,9 @@ def test_user_triggers_from_the_form_clears_the_failed_shard_and_reads_the_repor
     log_in(page, af)
     page.screenshot(path=screenshots / "01-logged-in.png")
 
-    run_id = trigger_from_form(page, af, {("Prompts", "shard_size"): "20", ("Dispatch", "checkpoint_every"): "4"},
-                               screenshots / "02-trigger-form.png")
+    form = {("Prompts", "shard_size"): "20", ("Dispatch", "checkpoint_every"): "4",
+            ("Dispatch", "calibration_prompts"): "32"}  # the smallest calibration: twice the 16 slots
+    run_id = trigger_from_form(page, af, form, screenshots / "02-trigger-form.png")
     folder = run_dir(af, run_id)
     # The fault: the server working on shard 2 is SIGKILLed once the shard has results on disk.
     killed = fail_one_shard(af, run_id, shard=2, victim="server", dataset="qwen3.6-27b-regen")
@@ -173,7 +174,8 @@ def test_user_triggers_from_the_form_clears_the_failed_shard_and_reads_the_repor
 def test_rest_clear_of_one_mapped_shard_after_its_task_process_was_killed(live_airflow):
     af = live_airflow
     run_id = "rest_retry"
-    af.trigger(run_id, {"shard_size": 20, "checkpoint_every": 4, "dataset_name": "rest-retry"})
+    af.trigger(run_id, {"shard_size": 20, "checkpoint_every": 4, "calibration_prompts": 0,
+                        "dataset_name": "rest-retry"})
     folder = run_dir(af, run_id)
     # Issue 7 case 2 under a real scheduler: the shard task itself is SIGKILLed mid-shard.
     killed = fail_one_shard(af, run_id, shard=1, victim="task", dataset="rest-retry")
