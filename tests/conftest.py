@@ -137,10 +137,10 @@ def dag(airflow_db):
     return DagBag(dag_folder=str(ROOT / "dags")).dags["dflash_regen"]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def live_airflow(tmp_path_factory):
-    """A real Airflow per test module (tests/live_airflow.py); failed shards are not retried, so a test can
-    clear them itself."""
+    """One real Airflow for every test that asks (tests/live_airflow.py); runs are kept apart by run id and
+    dataset name. Failed shards are not retried, so a test can clear them itself."""
     from live_airflow import LIVE_PROFILE, LiveAirflow
 
     tmp = tmp_path_factory.mktemp("live")
