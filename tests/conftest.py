@@ -37,10 +37,21 @@ def _port_free(port: int) -> bool:
     return True
 
 
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port_block(n: int) -> int:
-    """A base port with n consecutive free ports (tests never use the production 30000 range)."""
+    """A base port with n consecutive free ports, below the kernel's ephemeral range: a port free now stays
+    free, as no client connection can take it as its local port later (tests avoid production's 30000-30006)."""
+    low, high = 20000, _ephemeral_low() - n
     for _ in range(200):
-        base = random.randrange(20000, 60000 - n)
+        base = random.randrange(low, high)
+        if base <= 30006 and base + n > 30000:
+            continue
         if all(_port_free(base + i) for i in range(n)):
             return base
     raise RuntimeError("no block of free ports found")
