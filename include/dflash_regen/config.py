@@ -38,6 +38,7 @@ COOKBOOK_FLAGS: dict[str, str | None] = {
 }
 COOKBOOK_ENV = {"SGLANG_ENABLE_SPEC_V2": "1"}
 
+
 def _env_object(name: str) -> dict:
     try:
         value = json.loads(os.environ.get(name) or "{}")

@@ -42,14 +42,29 @@ def _json(path: Path) -> dict | None:
         return None  # not written yet, or being replaced right now
 
 
-def _column(paths: list[Path], column: str) -> list:
-    values: list = []
+def _columns(paths: list[Path], *names: str) -> list[list]:
+    """The named columns over all files, read together so they stay row-aligned."""
+    values: list[list] = [[] for _ in names]
     for path in paths:
         try:
-            values.extend(pq.read_table(path, columns=[column]).column(column).to_pylist())
+            table = pq.read_table(path, columns=list(names))
         except (OSError, KeyError, ValueError):
             continue  # a part being written, or an older file without the column
+        for out, name in zip(values, names, strict=True):
+            out.extend(table.column(name).to_pylist())
     return values
+
+
+def _column(paths: list[Path], column: str) -> list:
+    return _columns(paths, column)[0]
+
+
+def _result_files(folder: Path) -> list[Path]:
+    """Merged shard files plus checkpoint parts of shards not merged yet (a merged shard's parts repeat it)."""
+    merged = sorted(folder.glob("shard-*.parquet"))
+    done = {p.stem for p in merged}
+    return merged + sorted(p for d in folder.glob("shard-*") if d.is_dir() and d.name not in done
+                           for p in d.glob("*.parquet"))
 
 
 def _rows(paths: list[Path]) -> int:
@@ -183,16 +198,9 @@ def throughput_series(finished: list[float], tokens: list[int], servers: list[st
 def progress(run: Path, now: float | None = None) -> dict:
     """Prompts done (completed or quarantined by a server) of those planned, the recent rate, and the ETA."""
     plan = _json(run / "reports" / "plan.json") or {}
-    completions = run / "completions"
-    merged = sorted(completions.glob("shard-*.parquet"))
-    parts = sorted(p for d in completions.glob("shard-*") if d.is_dir() for p in d.glob("*.parquet"))
-    merged_shards = {p.stem for p in merged}
-    parts = [p for p in parts if p.parent.name not in merged_shards]  # parts of a merged shard are the same rows
-    files = merged + parts
-    finished = _column(files, "finished_at")
-    failures = sorted((run / "failures").glob("shard-*.parquet")) + sorted(
-        p for d in (run / "failures").glob("shard-*") if d.is_dir() for p in d.glob("*.parquet"))
-    done = _rows(files) + _rows(failures)
+    files = _result_files(run / "completions")
+    finished, tokens, servers = _columns(files, "finished_at", "completion_tokens", "server")
+    done = _rows(files) + _rows(_result_files(run / "failures"))
     total = plan.get("accepted")
     now = time.time() if now is None else now
     stamps = sorted(f for f in finished if f is not None)
@@ -205,7 +213,7 @@ def progress(run: Path, now: float | None = None) -> dict:
     eta = None if not left or not rate else left / rate
     return {"planned": total, "done": done, "left": left, "share": (done / total) if total else None,
             "rate_per_s": rate, "eta_s": 0.0 if left == 0 else eta,
-            "throughput": throughput_series(finished, _column(files, "completion_tokens"), _column(files, "server"))}
+            "throughput": throughput_series(finished, tokens, servers)}
 
 
 def fleet_report(run: Path) -> dict:
