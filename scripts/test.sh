@@ -6,4 +6,6 @@ source "$(dirname "$0")/env.sh"
 "$ROOT/scripts/install-chromium.sh"
 cd "$ROOT"
 ruff check .
-pytest "$@"
+# Two workers on a 2-core CI box: most tests wait on emulated servers and Airflow, not on the CPU; the live
+# Airflow tests stay on one worker (conftest), so it starts once.
+pytest -n "${PYTEST_WORKERS:-2}" --dist loadgroup "$@"

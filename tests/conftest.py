@@ -148,6 +148,14 @@ def dag(airflow_db):
     return DagBag(dag_folder=str(ROOT / "dags")).dags["dflash_regen"]
 
 
+def pytest_collection_modifyitems(items):
+    """Under pytest-xdist (`--dist loadgroup`), every test of the one live Airflow runs on one worker, so the
+    session starts it once; the other workers take the rest of the suite meanwhile."""
+    for item in items:
+        if "live_airflow" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.xdist_group("live_airflow"))
+
+
 @pytest.fixture(scope="session")
 def live_airflow(tmp_path_factory):
     """One real Airflow for every test that asks (tests/live_airflow.py); runs are kept apart by run id and
