@@ -26,6 +26,7 @@ from airflow.sdk import Asset, Param, dag, setup, task, teardown
 
 from dflash_regen import dag_tasks
 from dflash_regen.config import DEFAULTS as D
+from dflash_regen.prompts import PROMPT_FORMATS
 
 FLEET, GATES, PROMPTS, SAMPLING, DISPATCH, QUALITY, OUTPUT, EMULATOR = (
     "Fleet", "Fleet gates", "Prompts", "Sampling", "Dispatch", "Quality gate", "Output", "Emulator (demo and tests)")
@@ -80,8 +81,14 @@ PARAMS = {
     "smoke_timeout_s": Param(D["smoke_timeout_s"], type="number", minimum=1, section=GATES,
                              title="Smoke request timeout (s)"),
     "prompt_source": Param(D["prompt_source"], type="string", minLength=1, section=PROMPTS, title="Prompt source",
-                           description="A .jsonl, .jsonl.gz or .parquet file or a directory of them (absolute "
-                                       "path), or 'demo' for the built-in sample prompts."),
+                           description="A .jsonl(.gz), .json (an array of rows or JSON lines), .csv or .parquet "
+                                       "file, a directory of them, or a folder written by datasets' save_to_disk "
+                                       "(absolute path); or 'demo' for the built-in sample prompts."),
+    "prompt_format": Param(D["prompt_format"], type="string", enum=list(PROMPT_FORMATS), section=PROMPTS,
+                           title="Prompt format",
+                           description="auto: detect per row. openai: 'messages' turns; sharegpt: 'conversations' "
+                                       "of from/value turns; specforge: 'conversations' of role/content turns (a "
+                                       "published dataset); prompt: a 'prompt' column."),
     "shard_size": Param(D["shard_size"], type="integer", minimum=1, section=PROMPTS, title="Prompts per shard",
                         description="~1,000 keeps a shard's retry under ~10 minutes on a B200 server."),
     "context_length": Param(D["context_length"], type="integer", minimum=256, section=PROMPTS,

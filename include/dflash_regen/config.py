@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash_regen.errors import ConfigError
+from dflash_regen.prompts import PROMPT_FORMATS
 from dflash_regen.quality import QualitySettings
 
 EMULATOR = "emulator"
@@ -73,6 +74,7 @@ DEFAULTS: dict[str, Any] = {
     "enable_thinking": True,
     "smoke_timeout_s": 1800.0,
     "prompt_source": os.environ.get("DFLASH_PROMPT_SOURCE", DEMO_PROMPTS),
+    "prompt_format": "auto",
     "shard_size": 1000,
     "context_length": 262144,
     "max_bad_row_share": 0.05,
@@ -142,6 +144,13 @@ def _bool(params: dict, name: str) -> bool:
     value = params.get(name)
     if not isinstance(value, bool):
         raise _fail(name, value, "must be true or false")
+    return value
+
+
+def _choice(params: dict, name: str, choices: tuple[str, ...]) -> str:
+    value = params.get(name)
+    if value not in choices:
+        raise _fail(name, value, f"must be one of {', '.join(choices)}")
     return value
 
 
@@ -233,6 +242,7 @@ class PlanSettings:
     max_tokens: int
     context_length: int
     max_bad_share: float
+    prompt_format: str = "auto"  # one of prompts.PROMPT_FORMATS
 
 
 @dataclass(frozen=True)
@@ -384,6 +394,7 @@ class RunConfig:
             max_tokens=sampling.max_tokens,
             context_length=_int(params, "context_length", 256, 10_000_000),
             max_bad_share=_float(params, "max_bad_row_share", 0.0, 1.0),
+            prompt_format=_choice(params, "prompt_format", PROMPT_FORMATS),
         )
         if plan.max_tokens >= plan.context_length:
             raise _fail("max_tokens", plan.max_tokens, f"must be below context_length {plan.context_length:,}")

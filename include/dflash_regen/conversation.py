@@ -9,6 +9,11 @@ from __future__ import annotations
 
 import json
 
+# Every published turn carries all of these, and every row `id`, `conversations` and `tools`: loaders that take
+# their columns from the first record (SpecForge's offline path: `datasets.Dataset.from_generator`) would
+# otherwise drop a key the first record lacks, or fail on it. Empty values have the type the full ones have.
+TURN_DEFAULTS = {"role": "", "content": "", "reasoning_content": "", "tool_calls": [], "tool_call_id": ""}
+
 
 def build(messages: list[dict], assistant_turns: list[dict], regenerated_history: bool) -> list[dict]:
     if not assistant_turns:
@@ -42,10 +47,6 @@ def from_rows(prompt_row: dict, completion_row: dict) -> tuple[list[dict], list[
 
 
 def specforge_record(sample_id: str, conversation: list[dict], tools: list[dict] | None) -> dict:
-    """SpecForge's online-training row: {"id", "conversations": [{"role", "content", ...}], "tools"?}."""
-    record = {"id": sample_id, "conversations": [
-        {k: v for k, v in turn.items() if k in {"role", "content", "reasoning_content", "tool_calls",
-                                                 "tool_call_id"}} for turn in conversation]}
-    if tools:
-        record["tools"] = tools
-    return record
+    """SpecForge's training row: {"id", "conversations": [{"role", "content", ...}], "tools"}, every key present."""
+    turns = [{k: turn.get(k) or default for k, default in TURN_DEFAULTS.items()} for turn in conversation]
+    return {"id": sample_id, "conversations": turns, "tools": tools or []}

@@ -35,7 +35,7 @@ from dflash_regen.config import DEMO_MODEL, DEMO_PROMPTS, RunConfig
 from dflash_regen.demo_model import write_demo_model
 from dflash_regen.demo_prompts import write_demo_prompts
 from dflash_regen.errors import ConfigError, GateFailed, PublishRefused, StagingError
-from dflash_regen.prompts import PromptSourceError
+from dflash_regen.prompt_sources import PromptSourceError
 from dflash_regen.tokenize import TokenizeError
 
 log = logging.getLogger(__name__)

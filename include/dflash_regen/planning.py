@@ -18,7 +18,8 @@ import pyarrow as pa
 from dflash_regen import atomic
 from dflash_regen.config import PlanSettings
 from dflash_regen.errors import ConfigError
-from dflash_regen.prompts import Prompt, Rejection, iter_raw, parse_row, source_files
+from dflash_regen.prompt_sources import iter_raw, scan, source_files
+from dflash_regen.prompts import Prompt, Rejection, parse_row
 
 log = logging.getLogger(__name__)
 
@@ -96,9 +97,11 @@ def plan_shards(source: Path, shards_dir: Path, quarantine_path: Path, settings:
                        "label": shard_label(index, len(rows))})
         rows.clear()
 
+    formats: dict[str, int] = {}
+    repairs: dict[str, int] = {}
     for location, raw in iter_raw(source):
         total += 1
-        row = parse_row(location, raw)
+        row = parse_row(location, raw, settings.prompt_format)
         if isinstance(row, Rejection):
             rejected.append(row)
             continue
@@ -115,6 +118,9 @@ def plan_shards(source: Path, shards_dir: Path, quarantine_path: Path, settings:
                                       f"{settings.max_tokens:,} exceed context_length {settings.context_length:,}",
                                       row.sample_id))
             continue
+        formats[row.format] = formats.get(row.format, 0) + 1
+        for kind in row.repairs:
+            repairs[kind] = repairs.get(kind, 0) + 1
         rows.append((row, tokens))
         if len(rows) == settings.shard_size:
             flush()
@@ -131,11 +137,17 @@ def plan_shards(source: Path, shards_dir: Path, quarantine_path: Path, settings:
     for r in rejected:
         by_reason[r.reason] = by_reason.get(r.reason, 0) + 1
     accepted = total - len(rejected)
+    files, docs = scan(source)
     plan = {"fingerprint": print_, "source": str(source), "rows": total, "accepted": accepted,
             "quarantined": len(rejected), "quarantined_by_reason": by_reason, "shards": shards,
-            "settings": settings.__dict__}
+            "formats": formats, "repairs": dict(sorted(repairs.items())),
+            "files": len(files), "skipped_files": [str(p) for p in docs], "settings": settings.__dict__}
     share = len(rejected) / total if total else 1.0
-    if total == 0 or accepted == 0:
+    if total == 0:
+        what = "the file is empty" if len(files) == 1 else f"its {len(files)} files are empty"
+        raise PlanFailed(f"prompt source {source} has no rows: {what}. Point Param prompt_source at the "
+                         "prompts to regenerate")
+    if accepted == 0:
         raise PlanFailed(f"prompt source {source} has {total} rows and none is usable; reasons: {by_reason}; "
                          f"see {quarantine_path}")
     if share > settings.max_bad_share:
@@ -147,6 +159,8 @@ def plan_shards(source: Path, shards_dir: Path, quarantine_path: Path, settings:
         if int(stale.stem.split("-")[1]) >= len(shards):
             stale.unlink()
     atomic.write_json(plan_path, plan)
-    log.info("planned %d shards from %d rows: %d accepted, %d quarantined %s", len(shards), total, accepted,
-             len(rejected), by_reason)
+    log.info("planned %d shards from %d rows (formats %s): %d accepted, %d quarantined %s; repairs %s",
+             len(shards), total, formats, accepted, len(rejected), by_reason, plan["repairs"] or "none")
+    if docs:
+        log.info("skipped %d documentation file(s): %s", len(docs), ", ".join(p.name for p in docs))
     return plan

@@ -5,7 +5,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from dflash_regen.prompts import PromptSourceError, Rejection, canonical_id, iter_raw, parse_row
+from dflash_regen.prompt_sources import PromptSourceError, iter_raw
+from dflash_regen.prompts import Rejection, canonical_id, parse_row
 
 USER = {"role": "user", "content": "hi"}
 
@@ -35,7 +36,8 @@ def test_without_id_the_sample_id_is_a_stable_hash_of_messages_and_tools():
     ({"messages": [{"role": "robot", "content": "x"}]}, "bad_role"),
     ({"messages": [{"role": "user", "content": ""}]}, "empty"),
     ({"messages": [{"role": "system", "content": "s"}]}, "no_user_turn"),
-    ({"messages": [USER, {"role": "assistant", "content": "a"}]}, "ends_with_assistant"),
+    ({"messages": [{"role": "system", "content": "s"}, {"role": "assistant", "content": "a"}]}, "no_user_turn"),
+    ({"instruction": "x", "output": "y"}, "unknown_format"),
     ({"messages": [USER, {"role": "tool", "content": "r"}]}, "bad_tool_turn"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "bad_content"),
     ({"messages": [USER], "tools": [{"type": "function", "function": {"description": "no name"}}]}, "bad_tool"),
@@ -81,6 +83,6 @@ def test_parquet_messages_as_json_strings_are_accepted(tmp_path):
 def test_missing_or_unreadable_sources_say_what_to_do(tmp_path):
     with pytest.raises(PromptSourceError, match="does not exist"):
         list(iter_raw(tmp_path / "nope"))
-    (tmp_path / "x.csv").write_text("a")
+    (tmp_path / "README.md").write_text("a dataset card is not rows")
     with pytest.raises(PromptSourceError, match="no readable files"):
         list(iter_raw(tmp_path))
