@@ -1,6 +1,7 @@
 """Read a prompt source as a stream of raw rows, with flat memory, from the files people have.
 
-A source is one file or a directory (read recursively, in sorted path order) of:
+A source is one file or a directory (read recursively: files in sorted path order, then save_to_disk folders)
+of:
 - `.jsonl` / `.jsonl.gz`: one JSON row per line (a UTF-8 BOM is allowed; blank lines are not rows);
 - `.json` / `.json.gz`: a JSON array of rows, streamed element by element, or JSON Lines (what
   `datasets.Dataset.to_json` writes);
@@ -11,8 +12,9 @@ A source is one file or a directory (read recursively, in sorted path order) of:
   `state.json` lists them. pyarrow is enough for this format, so the pipeline needs no `datasets` (and its
   dependency tree) at run time. A `DatasetDict` folder with one split is read; with several, the user
   picks one (regenerating a test split into training data would be a silent mistake).
-Documentation files (hidden files, `README*`, `LICENSE*`, `*.md`) are skipped and named; any other file is
-an error naming it, so no rows are left out without a word.
+Documentation files (hidden files, `README*`, `LICENSE*`, `*.md`) and cache files beside a save_to_disk
+folder's data are skipped and named in the plan; any other file is an error naming it, so no rows are left
+out without a word.
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ def _hf_data_files(folder: Path) -> list[Path]:
 
 
 def scan(source: Path) -> tuple[list[Path], list[Path]]:
-    """(data files in reading order, documentation files skipped)."""
+    """(data files in reading order, files skipped: documentation and datasets' cache files)."""
     if source.is_file():
         if not source.name.endswith(SUFFIXES):
             raise PromptSourceError(f"prompt source {source} is not a file this reader reads; use "
@@ -64,7 +66,7 @@ def scan(source: Path) -> tuple[list[Path], list[Path]]:
                                     f"{splits}; set Param prompt_source to the split to regenerate, e.g. "
                                     f"{listing.parent / splits[0]}")
     hf_dirs = _hf_dirs(source)
-    hf_files = {f for d in hf_dirs for f in _hf_data_files(d)}
+    hf_files = [f for d in sorted(hf_dirs) for f in _hf_data_files(d)]
     files, docs, unsupported = [], [], []
     for path in sorted(p for p in source.rglob("*") if p.is_file()):
         if path in hf_files or (path.parent in hf_dirs and path.name in HF_METADATA) \
@@ -72,7 +74,7 @@ def scan(source: Path) -> tuple[list[Path], list[Path]]:
             continue
         if path.name.endswith(SUFFIXES):
             files.append(path)
-        elif _is_doc(path):
+        elif _is_doc(path) or (path.parent in hf_dirs and path.suffix == ".arrow"):  # docs, datasets' caches
             docs.append(path)
         else:
             unsupported.append(path)
@@ -83,7 +85,7 @@ def scan(source: Path) -> tuple[list[Path], list[Path]]:
                                 f"read: {names}{more}; their rows would be left out. Convert them to .jsonl or "
                                 f".parquet, or move them out of the folder (read: {', '.join(SUFFIXES)} and "
                                 "datasets saved with save_to_disk)")
-    files += sorted(hf_files)
+    files += hf_files
     if not files:
         raise PromptSourceError(f"prompt source {source} has no readable files (need {', '.join(SUFFIXES)} or "
                                 f"a datasets save_to_disk folder); found {[p.name for p in docs][:3] or 'nothing'}")

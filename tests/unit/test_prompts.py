@@ -86,3 +86,124 @@ def test_missing_or_unreadable_sources_say_what_to_do(tmp_path):
     (tmp_path / "README.md").write_text("a dataset card is not rows")
     with pytest.raises(PromptSourceError, match="no readable files"):
         list(iter_raw(tmp_path))
+
+
+# A function-calling benchmark's style of schema: Python type names, nested, `any`, no type on parameters,
+# `required` naming a property that does not exist and draft-3 `required: true` on a property.
+PY_TOOL = {"name": "book", "description": "Book a trip.", "parameters": {
+    "properties": {"city": {"type": "str"}, "nights": {"type": "int", "required": True},
+                   "budget": {"type": "float"}, "pets": {"type": "bool"}, "dates": {"type": "tuple", "items": {
+                       "type": "str"}},
+                   "extra": {"type": "any"}, "guests": {"type": "list", "items": {"type": "dict", "properties": {
+                       "name": {"type": "String"}}, "required": ["name", "age"]}}},
+    "required": ["city", "country"]}}
+
+
+def test_python_style_tool_schemas_are_repaired_and_each_repair_is_counted_by_kind():
+    got = parse({"messages": [USER], "tools": [PY_TOOL]})
+    params = got.tools[0]["function"]["parameters"]
+    assert params["type"] == "object" and params["required"] == ["city", "nights"]
+    props = params["properties"]
+    assert [props[k].get("type") for k in ("city", "nights", "budget", "pets", "dates", "extra")] == [
+        "string", "integer", "number", "boolean", "array", None]
+    assert props["dates"]["items"] == {"type": "string"} and "required" not in props["nights"]
+    assert props["guests"]["items"] == {"type": "object", "properties": {"name": {"type": "string"}},
+                                        "required": ["name"]}
+    kinds = sorted(got.repairs)
+    assert kinds == sorted(["bare_function", "object_type_missing", "required_on_property", "required_absent",
+                            "required_absent", "type_any"] + ["type_name"] * 9)
+
+
+@pytest.mark.parametrize(("parameters", "path", "shown"), [
+    ({"type": "dict", "properties": {"when": {"type": "datetime"}}}, "properties.when.type", "'datetime'"),
+    ({"type": "array"}, "type", "'array'"),
+    ({"properties": ["a", "b"]}, "properties", '["a", "b"]'),
+    ({"properties": {"a": {"type": "object", "properties": {"b": "string"}}}}, "properties.a.properties.b",
+     "'string'"),
+    ({"properties": {"a": {}}, "required": "a"}, "required", "'a'"),
+])
+def test_unrepairable_tool_schemas_are_quarantined_with_the_path_the_value_and_the_fix(parameters, path, shown):
+    got = parse({"messages": [USER], "tools": [{"type": "function", "function": {"name": "f",
+                                                                                  "parameters": parameters}}]})
+    assert isinstance(got, Rejection) and got.reason == "bad_tool"
+    assert got.detail.startswith(f"tools[0].function.parameters.{path} is {shown}: ")
+    assert "must" in got.detail or "use one of" in got.detail
+
+
+def test_a_final_assistant_answer_is_dropped_for_regeneration_and_history_is_kept():
+    got = parse({"messages": [USER, {"role": "assistant", "content": "<think>\nhmm\n</think>\n\nhello"},
+                              {"role": "user", "content": "more"}, {"role": "assistant", "content": "old"}]})
+    assert got.messages == [USER, {"role": "assistant", "content": "hello", "reasoning_content": "hmm"},
+                            {"role": "user", "content": "more"}]
+    assert sorted(got.repairs) == ["final_answer_dropped", "think_in_content"]
+
+
+def test_sharegpt_turns_become_chat_turns_with_tool_calls_linked_to_their_results():
+    row = {"id": "s1", "system": "Be brief.", "tools": json.dumps([{"name": "w", "parameters": {
+               "type": "object", "properties": {"city": {"type": "string"}}}}]),
+           "conversations": [{"from": "human", "value": "Weather in Paris?"},
+                             {"from": "function_call", "value": '{"name": "w", "arguments": {"city": "Paris"}}'},
+                             {"from": "observation", "value": '{"temp": 20}'},
+                             {"from": "gpt", "value": "20 degrees."}]}
+    got = parse(row)
+    assert got.format == "sharegpt" and got.sample_id == "s1" and got.repairs == ("final_answer_dropped",
+                                                                                   "bare_function")
+    assert got.messages == [
+        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": "", "tool_calls": [{"id": "call_1_0", "type": "function", "function": {
+            "name": "w", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "content": '{"temp": 20}', "tool_call_id": "call_1_0"}]
+    assert parse({"conversations": [{"from": "narrator", "value": "x"}]}).reason == "bad_role"
+    bad_call = parse({"conversations": [{"from": "human", "value": "x"}, {"from": "function_call", "value": "w()"},
+                                        {"from": "observation", "value": "1"}]})
+    assert bad_call.reason == "bad_tool_call"
+
+
+def test_a_published_specforge_record_reads_back_as_its_prompt():
+    from dflash_regen.conversation import specforge_record
+
+    record = specforge_record("p1", [USER, {"role": "assistant", "content": "a", "reasoning_content": "r"}], None)
+    got = parse(record)
+    assert got.format == "specforge" and got.sample_id == "p1" and got.messages == [USER] and got.tools is None
+
+
+def test_prompt_columns_and_legacy_function_calls():
+    got = parse({"prompt": "Write a haiku.", "system": "You are a poet."})
+    assert got.format == "prompt" and got.messages == [{"role": "system", "content": "You are a poet."},
+                                                       {"role": "user", "content": "Write a haiku."}]
+    assert parse({"prompt": [USER]}).messages == [USER]
+    legacy = parse({"messages": [USER, {"role": "assistant", "content": None,
+                                        "function_call": {"name": "f", "arguments": "{}"}},
+                                 {"role": "function", "name": "f", "content": "ok"}]})
+    assert legacy.messages[1]["tool_calls"][0]["function"] == {"name": "f", "arguments": "{}"}
+    assert legacy.messages[2] == {"role": "tool", "content": "ok", "tool_call_id": "f"}
+
+
+def test_a_forced_format_rejects_rows_written_in_another():
+    sharegpt = {"conversations": [{"from": "human", "value": "x"}]}
+    assert parse_row("f:1", sharegpt, "sharegpt").format == "sharegpt"
+    for fmt in ("openai", "specforge", "prompt"):
+        got = parse_row("f:1", sharegpt, fmt)
+        assert got.reason == "wrong_format" and f"prompt_format is {fmt!r}" in got.detail
+
+
+def test_bom_json_arrays_csv_and_blank_lines_are_read(tmp_path):
+    (tmp_path / "a.jsonl").write_bytes(b"\xef\xbb\xbf" + json.dumps({"messages": [USER]}).encode() + b"\n\n")
+    long = "x" * 200_000  # longer than the reader's window: the window grows to hold it
+    (tmp_path / "b.json").write_text(json.dumps([{"id": 1, "prompt": long}, {"id": 2, "prompt": "y"}], indent=1))
+    (tmp_path / "c.csv").write_text('id,prompt\nc1,"two\nlines"\nc2,z\n')
+    got = list(iter_raw(tmp_path))
+    assert [loc for loc, _ in got] == ["a.jsonl:1", "b.json#1", "b.json#2", "c.csv:3", "c.csv:4"]
+    assert parse_row(*got[0]).messages == [USER] and parse_row(*got[1]).messages[0]["content"] == long
+    assert parse_row(*got[3]).messages == [{"role": "user", "content": "two\nlines"}]
+
+
+def test_a_truncated_json_array_and_unread_files_beside_read_ones_are_errors(tmp_path):
+    (tmp_path / "a.json").write_text('[{"prompt": "x"}, {"prompt": ')
+    with pytest.raises(PromptSourceError, match=r"a.json: element 2 of the JSON array cannot be read"):
+        list(iter_raw(tmp_path / "a.json"))
+    (tmp_path / "a.json").write_text('[{"prompt": "x"}]')
+    (tmp_path / "notes.txt").write_text("rows?")
+    (tmp_path / ".gitattributes").write_text("")
+    with pytest.raises(PromptSourceError, match=r"holds 1 file\(s\) this reader does not read: notes.txt"):
+        list(iter_raw(tmp_path))
