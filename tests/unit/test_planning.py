@@ -59,3 +59,83 @@ def test_too_many_bad_rows_fail_planning_with_the_reasons(tmp_path):
 
 def test_label_format():
     assert shard_label(42, 1000) == "shard 0042 (1,000 prompts)"
+
+
+def test_every_supported_input_format_plans_with_its_rows_ids_repairs_and_quarantine_reasons(tmp_path):
+    import datasets
+    import pyarrow as pa
+
+    src = tmp_path / "prompts"
+    src.mkdir()
+    (src / "README.md").write_text("# a dataset card, not rows")
+    py_tool = {"name": "book", "parameters": {"type": "dict", "properties": {
+        "city": {"type": "str"}, "nights": {"type": "int"}, "opts": {"type": "any"}}, "required": ["city", "zip"]}}
+    bad_tool = {"name": "when", "parameters": {"type": "dict", "properties": {"at": {"type": "datetime"}}}}
+    (src / "a-openai.jsonl").write_bytes(b"\xef\xbb\xbf" + "".join(json.dumps(r) + "\n" for r in [
+        {"id": "o1", "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"},
+                                  {"role": "user", "content": "bye"}, {"role": "assistant", "content": "ciao"}]},
+        {"id": "o2", "messages": [{"role": "user", "content": "Book Rome"}], "tools": [py_tool]},
+        {"id": "o3", "messages": [{"role": "user", "content": "When?"}], "tools": [bad_tool]},
+    ]).encode())
+    sharegpt = [{"id": "s1", "system": "Be brief.", "tools": json.dumps([py_tool]), "conversations": [
+                    {"from": "human", "value": "Book Oslo"},
+                    {"from": "function_call", "value": json.dumps({"name": "book", "arguments": {"city": "Oslo"}})},
+                    {"from": "observation", "value": "booked"}, {"from": "gpt", "value": "Done."}]},
+                {"id": "s2", "system": None, "tools": None, "conversations": [{"from": "narrator", "value": "x"}]}]
+    pq.write_table(pa.Table.from_pylist(sharegpt), src / "b-sharegpt.parquet")
+    (src / "c-specforge.json").write_text(json.dumps([{"id": "p1", "tools": [], "conversations": [
+        {"role": "user", "content": "again", "reasoning_content": "", "tool_calls": [], "tool_call_id": ""},
+        {"role": "assistant", "content": "a", "reasoning_content": "r", "tool_calls": [], "tool_call_id": ""}]}]))
+    (src / "d-prompt.csv").write_text("id,prompt\nc1,Write a haiku.\nc2,\n")
+    datasets.Dataset.from_list([{"id": "h1", "conversations": [{"from": "human", "value": "From HF"},
+                                                               {"from": "gpt", "value": "old"}]},
+                                {"id": "h1", "conversations": [{"from": "human", "value": "dup"}]}],
+                               ).save_to_disk(str(src / "e-hf"))
+
+    plan = plan_shards(src, tmp_path / "shards", tmp_path / "q.parquet", SETTINGS)
+
+    assert plan["formats"] == {"openai": 2, "sharegpt": 2, "specforge": 1, "prompt": 1}
+    # Counted on the planned rows: o2 and s1 carry the Python-style tool (dict, str, int, any, a missing zip);
+    # o1, s1, p1 and h1 end with the answer that gets regenerated.
+    assert plan["repairs"] == {"bare_function": 2, "final_answer_dropped": 4, "required_absent": 2, "type_any": 2,
+                               "type_name": 6}
+    assert plan["skipped_files"] == [str(src / "README.md")]
+    q = {r["location"]: r for r in pq.read_table(tmp_path / "q.parquet").to_pylist()}
+    assert {loc: r["reason"] for loc, r in q.items()} == {
+        "a-openai.jsonl:3": "bad_tool", "b-sharegpt.parquet#2": "bad_role", "d-prompt.csv:3": "empty",
+        "e-hf/data-00000-of-00001.arrow#2": "duplicate_id"}
+    assert q["a-openai.jsonl:3"]["detail"] == (
+        "tools[0].function.parameters.properties.at.type is 'datetime': not a JSON schema type; use one of array, "
+        "boolean, integer, null, number, object, string, or leave 'type' out to accept any value")
+    rows = [r for s in plan["shards"] for r in pq.read_table(s["path"]).to_pylist()]
+    assert [r["sample_id"] for r in rows] == ["o1", "o2", "s1", "p1", "c1", "h1"]
+    messages = {r["sample_id"]: json.loads(r["messages"]) for r in rows}
+    assert messages["o1"] == [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"},
+                              {"role": "user", "content": "bye"}]
+    assert [m["role"] for m in messages["s1"]] == ["system", "user", "assistant", "tool"]
+    assert messages["s1"][3]["tool_call_id"] == messages["s1"][2]["tool_calls"][0]["id"]
+    assert messages["p1"] == [{"role": "user", "content": "again"}] and messages["h1"][-1]["content"] == "From HF"
+    tools = json.loads(next(r["tools"] for r in rows if r["sample_id"] == "o2"))
+    assert tools[0]["function"]["parameters"] == {"type": "object", "required": ["city"], "properties": {
+        "city": {"type": "string"}, "nights": {"type": "integer"}, "opts": {}}}
+
+
+def test_an_empty_source_says_the_file_is_empty(tmp_path):
+    src = tmp_path / "p.jsonl"
+    src.write_text("")
+    with pytest.raises(PlanFailed, match=r"p.jsonl has no rows: the file is empty"):
+        plan_shards(src, tmp_path / "shards", tmp_path / "q.parquet", SETTINGS)
+
+
+def test_a_datasetdict_with_several_splits_asks_which_one(tmp_path):
+    import datasets
+
+    from dflash_regen.prompt_sources import PromptSourceError
+
+    part = datasets.Dataset.from_list([{"prompt": "x"}])
+    datasets.DatasetDict({"train": part, "test": part}).save_to_disk(str(tmp_path / "dd"))
+    with pytest.raises(PromptSourceError, match=r"DatasetDict with splits \['train', 'test'\]; set Param "
+                                                r"prompt_source to the split to regenerate, e.g. .*dd/train"):
+        plan_shards(tmp_path / "dd", tmp_path / "shards", tmp_path / "q.parquet", SETTINGS)
+    datasets.DatasetDict({"train": part}).save_to_disk(str(tmp_path / "one"))
+    assert plan_shards(tmp_path / "one", tmp_path / "shards", tmp_path / "q.parquet", SETTINGS)["accepted"] == 1
