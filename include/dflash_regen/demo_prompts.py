@@ -1,5 +1,6 @@
-"""The demo's prompt set, written by the project itself: coding, maths, multi-turn, tool calling, long prompts,
-and two malformed rows (a duplicate id, a bad role) that planning must quarantine.
+"""The demo's prompt set, written by the project itself: coding, maths, multi-turn, tool calling (half of it with
+Python-style tool schemas, which planning repairs), long prompts, and two malformed rows (a duplicate id, a bad
+role) that planning must quarantine.
 
 Deterministic: the same call writes the same file, so demo runs and tests are reproducible.
 """
@@ -31,6 +32,16 @@ TOOLS = [{"type": "function", "function": {
                                                             "destination": {"type": "string"},
                                                             "date": {"type": "string"}},
                            "required": ["origin", "destination", "date"]}}}]
+# The same tools as many function-calling datasets write them (Python type names, no type on the parameters,
+# a required name without a property): planning repairs them, and the plan report counts the repairs.
+PYTHON_STYLE_TOOLS = [{"name": "get_weather", "description": "Current weather for a city.",
+                       "parameters": {"properties": {"city": {"type": "str"}, "days": {"type": "int"}},
+                                      "required": ["city", "country"]}},
+                      {"name": "search_flights", "description": "Find flights between two airports on a date.",
+                       "parameters": {"type": "dict", "properties": {"origin": {"type": "str"},
+                                                                     "destination": {"type": "str"},
+                                                                     "date": {"type": "str"}},
+                                      "required": ["origin", "destination", "date"]}}]
 TOOL_ASKS = ["What's the weather in Lisbon today?", "Find me a flight from SFO to JFK on 2026-12-24.",
              "Is it raining in Tokyo right now?"]
 
@@ -53,7 +64,7 @@ def demo_rows(n: int = 120, seed: int = 0) -> list[dict]:
                         {"role": "user", "content": "Now explain it to a ten-year-old."}]
             rows.append({"id": f"demo-{i:05d}", "messages": messages})
         elif kind == 3:
-            rows.append({"id": f"demo-{i:05d}", "tools": TOOLS,
+            rows.append({"id": f"demo-{i:05d}", "tools": TOOLS if i % 10 == 3 else PYTHON_STYLE_TOOLS,
                          "messages": [{"role": "user", "content": rng.choice(TOOL_ASKS)}]})
         else:
             document = " ".join(rng.choice(CODING + MATHS) for _ in range(rng.randint(40, 120)))

@@ -99,7 +99,7 @@ def clean_stale_tmp(parent: Path) -> list[Path]:
 
 
 def dataset_card(name: str, version: str, manifest: dict) -> str:
-    c, t = manifest["counts"], manifest["tokens"]
+    c, t, source = manifest["counts"], manifest["tokens"], manifest.get("input", {})
     return f"""# {name} — {version}
 
 Regenerated with {manifest['config'].get('served_model_name', 'Qwen3.6-27B')} (thinking
@@ -114,10 +114,19 @@ top_p {manifest['config'].get('top_p')}, max_tokens {manifest['config'].get('max
 | output tokens | {t['output']:,} |
 | total tokens (prompt + output) | {t['total']:,} |
 
-Files: `conversations.jsonl` (SpecForge online-training format), `tokenized/` (input_ids, loss_mask; loss
-mask = the generated assistant turn incl. reasoning, SpecForge `qwen3.5` convention). Offline hidden states
-for this set would need about {manifest['storage']['offline_hidden_states_tb']:.1f} TB.
+Input formats: {_counts(source.get('formats'))}. Repairs made to the input (by kind, over the planned
+prompts): {_counts(source.get('repairs'))}.
+
+Files: `conversations.jsonl` (SpecForge training format; every row has `id`, `conversations` and `tools`,
+`[]` when none, and every turn `role`, `content`, `reasoning_content`, `tool_calls`, `tool_call_id`, empty
+when unused), `tokenized/` (input_ids, loss_mask; loss mask = the generated assistant turn incl. reasoning,
+SpecForge `qwen3.5` convention). Offline hidden states for this set would need about
+{manifest['storage']['offline_hidden_states_tb']:.1f} TB.
 """
+
+
+def _counts(counts: dict | None) -> str:
+    return ", ".join(f"{kind} {n:,}" for kind, n in sorted((counts or {}).items())) or "none"
 
 
 def _ids(path: Path, column: str = "sample_id") -> set[str]:
@@ -190,7 +199,8 @@ def publish_run(run_dir: Path, dest: Path, plan: dict, quality: dict, config: di
                    "prompt_and_history": total_tokens - sum(r["loss_mask_sum"] for r in summary),
                    "output": sum(r["completion_tokens"] or 0 for r in rows if r["sample_id"] not in dropped)},
         "servers": servers, "quality": {k: quality[k] for k in ("success", "statistics", "expectations")},
-        "input": {"source": plan["source"], "fingerprint": plan["fingerprint"]},
+        "input": {"source": plan["source"], "fingerprint": plan["fingerprint"], "formats": plan.get("formats", {}),
+                  "repairs": plan.get("repairs", {})},
         "config": config,
         "storage": {"offline_hidden_states_tb": round(hidden_state_bytes(total_tokens, hidden) / 1e12, 3),
                     "formula": f"{total_tokens:,} tokens x hidden {hidden} x {TARGET_LAYERS} layers x "

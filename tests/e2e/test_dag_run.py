@@ -5,6 +5,7 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 from dag_helpers import run_dir_of, states
+from trainer_loaders import load_first_record_decides
 
 
 def test_demo_dag_runs_green_on_seven_emulated_servers(dag, run_params, no_leftover_servers):
@@ -23,6 +24,7 @@ def test_demo_dag_runs_green_on_seven_emulated_servers(dag, run_params, no_lefto
     failed = sum(pq.read_metadata(p).num_rows for p in (run_dir / "failures").glob("shard-*.parquet"))
     assert plan["rows"] == plan["accepted"] + plan["quarantined"] == 122
     assert plan["quarantined_by_reason"] == {"duplicate_id": 1, "bad_role": 1}
+    assert plan["formats"] == {"openai": 120} and plan["repairs"]["type_name"] == 72  # Python-style tool schemas
     assert len(completions) == len(set(completions)) and len(completions) + failed == plan["accepted"]
     health = json.loads((run_dir / "reports" / "health.json").read_text())
     smoke = json.loads((run_dir / "reports" / "smoke.json").read_text())
@@ -61,6 +63,10 @@ def test_demo_dag_runs_green_on_seven_emulated_servers(dag, run_params, no_lefto
     assert sorted(conversations["id"]) == sorted(tokenized["sample_id"])
     last = conversations[0]["conversations"][-1]
     assert last["role"] == "assistant" and last["reasoning_content"]
+    # SpecForge's offline loader takes its columns from the first record: every row must survive it whole.
+    trainer_rows = load_first_record_decides(version / "conversations.jsonl")
+    assert sum(json.loads(r["tools"]) != [] for r in trainer_rows) == sum(bool(t) for t in conversations["tools"]) > 0
+    assert manifest["input"]["repairs"] == plan["repairs"] and "type_name 72" in (version / "README.md").read_text()
     assert (run_dir / "reports" / "data_docs" / "index.html").is_file()
     assert manifest["quality"]["success"] and manifest["storage"]["offline_hidden_states_tb"] > 0
 
