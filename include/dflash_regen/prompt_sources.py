@@ -8,7 +8,7 @@ of:
 - `.csv`: a header row, then one row per record (JSON columns such as `messages` as strings);
 - `.parquet`: read in record batches;
 - a Hugging Face dataset saved with `save_to_disk` (a folder with `state.json`, `dataset_info.json` and
-  Arrow stream files): its Arrow files are memory-mapped and read batch by batch with pyarrow, in the order
+  Arrow stream files): its Arrow files are read batch by batch with pyarrow, in the order
   `state.json` lists them. pyarrow is enough for this format, so the pipeline needs no `datasets` (and its
   dependency tree) at run time. A `DatasetDict` folder with one split is read; with several, the user
   picks one (regenerating a test split into training data would be a silent mistake).
@@ -131,8 +131,10 @@ def _iter_arrow(path: Path, name: str) -> Iterator[tuple[str, dict]]:
     import pyarrow as pa
 
     row = 0
-    with pa.memory_map(str(path)) as mapped:
-        for batch in pa.ipc.open_stream(mapped):  # datasets writes Arrow stream files
+    # Read batch by batch (datasets writes Arrow stream files of ~1,000-row batches); a memory map would keep
+    # every page read resident until the OS needs it back, and show as a growing RSS.
+    with pa.OSFile(str(path)) as f:
+        for batch in pa.ipc.open_stream(f):
             for record in batch.to_pylist():
                 row += 1
                 yield f"{name}#{row}", record
