@@ -2,7 +2,7 @@
 
 A source is one file or a directory (read recursively: files in sorted path order, then save_to_disk folders)
 of:
-- `.jsonl` / `.jsonl.gz`: one JSON row per line (a UTF-8 BOM is allowed; blank lines are not rows);
+- `.jsonl` / `.jsonl.gz`: one JSON row per line (a UTF-8 BOM is allowed);
 - `.json` / `.json.gz`: a JSON array of rows, streamed element by element, or JSON Lines (what
   `datasets.Dataset.to_json` writes);
 - `.csv`: a header row, then one row per record (JSON columns such as `messages` as strings);
@@ -152,10 +152,9 @@ def _iter_lines(f, head: str, name: str) -> Iterator[tuple[str, str]]:
     lineno, pending = 0, head
     while True:
         *lines, pending = pending.split("\n")
-        for line in lines:
+        for line in lines:  # a blank line too: it is quarantined as such, so every line is accounted for
             lineno += 1
-            if line.strip():
-                yield f"{name}:{lineno}", line
+            yield f"{name}:{lineno}", line
         more = f.read(_CHUNK)
         if not more:
             break

@@ -61,6 +61,7 @@ def test_launcher_owned_flags_cannot_be_overridden():
     ("staging_dir", "/dev/shm/../etc", "without '..'"),
     ("model_source_dir", "models/qwen", "absolute path or 'demo'"),
     ("enable_thinking", "yes", "true or false"),
+    ("prompt_format", "alpaca", "must be one of auto, openai, sharegpt, specforge, prompt"),
     ("emulator_faults", [1], "JSON object"),
     ("dataset_name", "../../etc", "no '/' or '..'"),
     ("dataset_name", "a/b", "no '/' or '..'"),

@@ -187,8 +187,8 @@ def test_a_forced_format_rejects_rows_written_in_another():
         assert got.reason == "wrong_format" and f"prompt_format is {fmt!r}" in got.detail
 
 
-def test_bom_json_arrays_csv_and_blank_lines_are_read(tmp_path):
-    (tmp_path / "a.jsonl").write_bytes(b"\xef\xbb\xbf" + json.dumps({"messages": [USER]}).encode() + b"\n\n")
+def test_bom_json_arrays_and_csv_are_read(tmp_path):
+    (tmp_path / "a.jsonl").write_bytes(b"\xef\xbb\xbf" + json.dumps({"messages": [USER]}).encode() + b"\n")
     long = "x" * 200_000  # longer than the reader's window: the window grows to hold it
     (tmp_path / "b.json").write_text(json.dumps([{"id": 1, "prompt": long}, {"id": 2, "prompt": "y"}], indent=1))
     (tmp_path / "c.csv").write_text('id,prompt\nc1,"two\nlines"\nc2,z\n')
