@@ -162,5 +162,6 @@ def plan_shards(source: Path, shards_dir: Path, quarantine_path: Path, settings:
     log.info("planned %d shards from %d rows (formats %s): %d accepted, %d quarantined %s; repairs %s",
              len(shards), total, formats, accepted, len(rejected), by_reason, plan["repairs"] or "none")
     if docs:
-        log.info("skipped %d documentation file(s): %s", len(docs), ", ".join(p.name for p in docs))
+        log.info("skipped %d file(s) that hold no rows (documentation, datasets caches): %s", len(docs),
+                 ", ".join(p.name for p in docs))
     return plan
