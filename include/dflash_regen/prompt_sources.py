@@ -117,6 +117,17 @@ def iter_raw(source: Path, batch_rows: int = 4096) -> Iterator[tuple[str, str | 
                     yield from _iter_lines(f, head, name)
 
 
+def _own_keys(value):
+    """A columnar row with the keys it was written with. An Arrow struct column holds the union of its rows'
+    keys, and a key a row lacks reads back as null (tool schemas would gain other tools' properties as nulls);
+    a null and a missing key cannot be told apart there, so null-valued keys are dropped."""
+    if isinstance(value, dict):
+        return {k: _own_keys(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_own_keys(v) for v in value]
+    return value
+
+
 def _iter_parquet(path: Path, name: str, batch_rows: int) -> Iterator[tuple[str, dict]]:
     import pyarrow.parquet as pq
 
@@ -124,7 +135,7 @@ def _iter_parquet(path: Path, name: str, batch_rows: int) -> Iterator[tuple[str,
     for batch in pq.ParquetFile(path).iter_batches(batch_size=batch_rows):
         for record in batch.to_pylist():
             row += 1
-            yield f"{name}#{row}", record
+            yield f"{name}#{row}", _own_keys(record)
 
 
 def _iter_arrow(path: Path, name: str) -> Iterator[tuple[str, dict]]:
@@ -137,7 +148,7 @@ def _iter_arrow(path: Path, name: str) -> Iterator[tuple[str, dict]]:
         for batch in pa.ipc.open_stream(f):
             for record in batch.to_pylist():
                 row += 1
-                yield f"{name}#{row}", record
+                yield f"{name}#{row}", _own_keys(record)
 
 
 def _iter_csv(path: Path, name: str) -> Iterator[tuple[str, dict]]:

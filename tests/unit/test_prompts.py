@@ -207,3 +207,14 @@ def test_a_truncated_json_array_and_unread_files_beside_read_ones_are_errors(tmp
     (tmp_path / ".gitattributes").write_text("")
     with pytest.raises(PromptSourceError, match=r"holds 1 file\(s\) this reader does not read: notes.txt"):
         list(iter_raw(tmp_path))
+
+
+def test_struct_columns_give_each_row_back_its_own_keys(tmp_path):
+    # Arrow unifies the two tools' schemas: each reads back with the other's properties as nulls.
+    weather = {"type": "function", "function": {"name": "w", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+    flights = {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"date": {"type": "string", "format": "date"}}}}}
+    pq.write_table(pa.Table.from_pylist([{"messages": [USER], "tools": [weather]},
+                                         {"messages": [USER], "tools": [flights]}]), tmp_path / "t.parquet")
+    assert [parse_row(*r).tools for r in iter_raw(tmp_path)] == [[weather], [flights]]
