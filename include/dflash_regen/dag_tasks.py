@@ -15,6 +15,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pyarrow.parquet as pq
+from airflow.sdk.configuration import conf
 from airflow.sdk.exceptions import AirflowFailException
 
 from dflash_regen import (
@@ -158,8 +159,10 @@ def plan_shards(params: dict, run_id: str) -> list[dict]:
     source = Path(cfg.prompt_source)
     if cfg.prompt_source == DEMO_PROMPTS:
         source = write_demo_prompts(cfg.output_root / "demo-prompts" / "prompts.jsonl")
+    # Airflow fails the expansion of more mapped tasks than this, after planning: refuse them here with the fix.
+    settings = replace(cfg.plan, max_shards=conf.getint("core", "max_map_length", fallback=1024))
     plan = planning.plan_shards(source, cfg.run_dir / "shards", cfg.run_dir / "failures" / "plan.parquet",
-                                cfg.plan)
+                                settings)
     write_report(cfg, "plan", {k: v for k, v in plan.items() if k != "shards"} | {"shards": len(plan["shards"])})
     return [{**s, "run_prompts": plan["accepted"]} for s in plan["shards"]]
 

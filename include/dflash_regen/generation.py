@@ -44,7 +44,8 @@ COMPLETION_SCHEMA = pa.schema([
     ("finish_reason", pa.string()), ("prompt_tokens", pa.int32()), ("completion_tokens", pa.int32()),
     ("reasoning_tokens", pa.int32()), ("latency_s", pa.float32()), ("finished_at", pa.float64()),
     ("attempt", pa.int16()),
-    ("max_tokens", pa.int32()), ("temperature", pa.float32()), ("top_p", pa.float32()), ("seed", pa.int64()),
+    ("max_tokens", pa.int32()), ("temperature", pa.float32()), ("top_p", pa.float32()), ("top_k", pa.int32()),
+    ("min_p", pa.float32()), ("presence_penalty", pa.float32()), ("seed", pa.int64()),
     ("enable_thinking", pa.bool_()), ("served_model", pa.string()), ("model_revision", pa.string()),
     ("reasoning_parser", pa.string()), ("think_marker_leak", pa.bool_()), ("empty_content", pa.bool_()),
     ("assistant_turns", pa.string()),
@@ -142,7 +143,8 @@ def sample_seed(sample_id: str, run_seed: int) -> int:
 def chat_payload(messages: list[dict], tools: list[dict] | None, settings: GenerationSettings, seed: int,
              max_tokens: int) -> dict:
     payload = {"model": settings.served_model, "messages": messages, "max_tokens": max_tokens,
-               "temperature": settings.temperature, "top_p": settings.top_p, "seed": seed,
+               "temperature": settings.temperature, "top_p": settings.top_p, "top_k": settings.top_k,
+               "min_p": settings.min_p, "presence_penalty": settings.presence_penalty, "seed": seed,
                "chat_template_kwargs": {"enable_thinking": settings.enable_thinking}}
     if tools:
         payload["tools"] = tools
@@ -248,7 +250,8 @@ class Generator:
             "finish_reason": result.finish_reason, "prompt_tokens": usage.get("prompt_tokens"),
             "completion_tokens": usage.get("completion_tokens"), "reasoning_tokens": usage.get("reasoning_tokens"),
             "latency_s": result.latency_s, "finished_at": time.time(), "attempt": attempt, "max_tokens": max_tokens,
-            "temperature": s.temperature, "top_p": s.top_p, "seed": seed, "enable_thinking": s.enable_thinking,
+            "temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k, "min_p": s.min_p,
+            "presence_penalty": s.presence_penalty, "seed": seed, "enable_thinking": s.enable_thinking,
             "served_model": s.served_model, "model_revision": self.model_revision,
             "reasoning_parser": s.reasoning_parser,
             "think_marker_leak": any(m in (result.content or "") for m in THINK_MARKERS),

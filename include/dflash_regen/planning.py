@@ -83,9 +83,15 @@ def plan_shards(source: Path, shards_dir: Path, quarantine_path: Path, settings:
     rows: list[tuple[Prompt, int | None]] = []
     shards: list[dict] = []
     total = 0
+    too_many = False  # past max_shards: keep counting the rows (for the message), stop writing shards
 
     def flush() -> None:
+        nonlocal too_many
         index = len(shards)
+        if index >= settings.max_shards:
+            too_many = True
+            rows.clear()
+            return
         path = shards_dir / f"shard-{index:05d}.parquet"
         table = pa.table({"sample_id": [p.sample_id for p, _ in rows],
                           "messages": [json.dumps(p.messages, ensure_ascii=False) for p, _ in rows],
@@ -150,6 +156,13 @@ def plan_shards(source: Path, shards_dir: Path, quarantine_path: Path, settings:
     if accepted == 0:
         raise PlanFailed(f"prompt source {source} has {total} rows and none is usable; reasons: {by_reason}; "
                          f"see {quarantine_path}")
+    if too_many:
+        count = -(-accepted // settings.shard_size)
+        needed = -(-accepted // settings.max_shards)
+        raise PlanFailed(f"{accepted:,} prompts in shards of {settings.shard_size:,} make {count:,} shards, more than "
+                         f"the {settings.max_shards:,} mapped tasks Airflow allows ([core] max_map_length); set Param "
+                         f"shard_size to at least {needed:,} (~1,000 keeps a shard's retry under ~10 minutes on a "
+                         "B200 server), or raise max_map_length")
     if share > settings.max_bad_share:
         examples = "; ".join(f"{r.location}: {r.reason} ({r.detail})" for r in rejected[:3])
         raise PlanFailed(f"{len(rejected):,} of {total:,} rows ({share:.1%}) are unusable, above Param "

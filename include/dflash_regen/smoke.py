@@ -118,6 +118,9 @@ def smoke_one(server: Server, api_key: str, prompt: str, spec: dict, sampling: S
         "max_tokens": sampling.max_tokens,
         "temperature": sampling.temperature,
         "top_p": sampling.top_p,
+        "top_k": sampling.top_k,
+        "min_p": sampling.min_p,
+        "presence_penalty": sampling.presence_penalty,
         "seed": 0,
         "chat_template_kwargs": {"enable_thinking": sampling.enable_thinking},
     }
@@ -183,8 +186,9 @@ def smoke_gate(servers: list[Server], api_key: str, sampling: SamplingConfig, se
     for r in results:
         by_server[r.server].results.append(r)
     smokes = list(by_server.values())
-    log.info("smoke test at max_tokens=%d, temperature=%s, top_p=%s, thinking=%s:\n%s", sampling.max_tokens,
-             sampling.temperature, sampling.top_p, sampling.enable_thinking, format_table(smokes))
+    log.info("smoke test at max_tokens=%d, temperature=%s, top_p=%s, top_k=%s, min_p=%s, presence_penalty=%s, "
+             "thinking=%s:\n%s", sampling.max_tokens, sampling.temperature, sampling.top_p, sampling.top_k,
+             sampling.min_p, sampling.presence_penalty, sampling.enable_thinking, format_table(smokes))
     report = {"passed": all(s.ok for s in smokes), "max_tokens": sampling.max_tokens,
               "servers": [{"server": s.server, "ok": s.ok,
                            "results": [{**asdict(r), "tokens_per_s": round(r.tokens_per_s, 1)} for r in s.results]}

@@ -80,11 +80,30 @@ def test_param_defaults_validate_and_build_a_run_config(dag):
     assert cfg.fleet.num_servers == 7 and cfg.sampling.max_tokens >= 4096
 
 
-def test_every_param_has_a_title_and_a_section(dag):
+def test_every_param_has_a_title_a_section_and_a_description(dag):
+    for name in dag.params:
+        param = dag.params.get_param(name)
+        assert param.schema.get("title"), name
+        assert param.schema.get("section"), name
+        assert param.description and len(param.description) > 20, name
+
+
+def test_no_number_field_has_bounds_the_form_would_clamp_to(dag):
+    """The trigger form's number box clamps to a top-level minimum/maximum when it loses focus (shard_size 0
+    became 1 and ran); bounds nested in allOf are enforced by Airflow's validation only, which refuses."""
     for name in dag.params:
         schema = dag.params.get_param(name).schema
-        assert schema.get("title"), name
-        assert schema.get("section"), name
+        assert not {"minimum", "maximum"} & set(schema), name
+        if schema.get("type") in ("integer", "number"):
+            assert schema.get("allOf") or schema.get("anyOf"), f"{name} has no range"
+
+
+def test_sampling_defaults_are_qwen3_thinking_mode_and_reach_the_config(dag):
+    cfg = RunConfig.from_params(dag.params.validate(), "manual__1")
+    s = cfg.sampling
+    assert (s.temperature, s.top_p, s.top_k, s.min_p, s.presence_penalty) == (0.6, 0.95, 20, 0.0, 0.0)
+    g = cfg.generation
+    assert (g.top_k, g.min_p, g.presence_penalty) == (20, 0.0, 0.0)
 
 
 def test_optional_text_fields_can_be_left_empty_in_the_form(dag):
@@ -98,15 +117,36 @@ def test_optional_text_fields_can_be_left_empty_in_the_form(dag):
     assert cfg.fleet.gpu_ids == tuple(str(i) for i in range(7))
 
 
-@pytest.mark.parametrize(("name", "value", "message"), [
+BAD_VALUES = [
     ("num_servers", 99, "99 is greater than the maximum of 64"),
-    ("gpu_ids", "0;1", "does not match"),
-    ("output_root", "relative", "does not match"),
-])
+    ("shard_size", 0, "0 is less than the minimum of 1"),
+    ("shard_size", 1.5, "1.5 is not of type 'integer'"),
+    ("top_k", 0, "0 is not valid under any of the given schemas"),
+    ("top_p", 0, "0 is less than or equal to the minimum of 0"),
+    ("temperature", 2.5, "2.5 is greater than the maximum of 2"),
+    ("gpu_ids", "0;1", "'0;1' does not match"),
+    ("output_root", "relative", "'relative' does not match"),
+]
+
+
+@pytest.mark.parametrize(("name", "value", "message"), BAD_VALUES)
 def test_trigger_form_rejects_bad_values(dag, name, value, message):
     params = copy.deepcopy(dag.params)
     with pytest.raises(ParamValidationError, match=message):
         params[name] = value
+
+
+def test_a_trigger_with_a_bad_value_is_refused_before_a_run_exists(dag):
+    """The REST API and the form's Trigger validate the run's conf against the serialized DAG's Params
+    (airflow.serialization.definitions.param) and answer 400 with this text; no run is created."""
+    from airflow.exceptions import ParamValidationError as ServerParamValidationError
+    from airflow.serialization.serialized_objects import DagSerialization
+
+    served = DagSerialization.from_dict(DagSerialization.to_dict(dag))
+    for name, value, message in BAD_VALUES:
+        with pytest.raises(ServerParamValidationError, match=f"^Invalid input for param {name}: {message}"):
+            served.params.deep_merge({name: value}).validate()
+    served.params.deep_merge({"shard_size": 20, "top_k": -1}).validate()
 
 
 def test_parsing_the_dag_does_not_import_heavy_libraries():

@@ -139,3 +139,17 @@ def test_a_datasetdict_with_several_splits_asks_which_one(tmp_path):
         plan_shards(tmp_path / "dd", tmp_path / "shards", tmp_path / "q.parquet", SETTINGS)
     datasets.DatasetDict({"train": part}).save_to_disk(str(tmp_path / "one"))
     assert plan_shards(tmp_path / "one", tmp_path / "shards", tmp_path / "q.parquet", SETTINGS)["accepted"] == 1
+
+
+def test_more_shards_than_airflow_can_map_are_refused_with_the_count_and_the_shard_size_that_fits(tmp_path):
+    src = write_rows(tmp_path / "p.jsonl", [user(f"q{i}") for i in range(25)])
+    capped = PlanSettings(shard_size=1, max_tokens=1000, context_length=4096, max_bad_share=0.5, max_shards=10)
+    with pytest.raises(PlanFailed) as info:
+        plan_shards(src, tmp_path / "shards", tmp_path / "q.parquet", capped)
+    message = str(info.value)
+    assert message.startswith("25 prompts in shards of 1 make 25 shards, more than the 10 mapped tasks Airflow "
+                              "allows ([core] max_map_length); set Param shard_size to at least 3"), message
+    assert len(list((tmp_path / "shards").glob("shard-*.parquet"))) <= 10  # stopped writing at the cap
+    assert not (tmp_path / "shards" / "plan.json").exists()
+    fits = PlanSettings(shard_size=3, max_tokens=1000, context_length=4096, max_bad_share=0.5, max_shards=10)
+    assert len(plan_shards(src, tmp_path / "shards", tmp_path / "q.parquet", fits)["shards"]) == 9
