@@ -2,9 +2,10 @@
 
 Real SGLang and the emulator are started by the same code: an explicit argv (never a shell string),
 `CUDA_VISIBLE_DEVICES=<gpu>`, port `base + i` on 127.0.0.1, an API key, stdout/stderr to
-`fleet/server-<i>.log`, and the pid plus launch spec in `fleet/server-<i>.json`. Processes get their own
-session so they outlive the task that started them; `stop_fleet` ends exactly the recorded processes
-(by pid *and* start time, so a recycled pid is never killed).
+`fleet/server-<i>.log`, and the pid plus launch spec in `fleet/server-<i>.json`. Each server runs under a
+small watcher (`server_watch`, its parent and process-group leader) in a session of its own, so it outlives
+the task that started it and how it ended (exit code or signal) lands in `fleet/exit-<i>.json`;
+`stop_fleet` ends exactly the recorded processes (by pid *and* start time, so a recycled pid is never killed).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
@@ -47,8 +49,9 @@ class Server:
     port: int
     argv: list[str]
     log_path: str
-    pid: int = 0
+    pid: int = 0  # the server process
     start_ticks: int = 0
+    pgid: int = 0  # its process group: the watcher that waits on it (0 = the server itself)
 
     @property
     def url(self) -> str:
@@ -61,6 +64,30 @@ class Server:
 
 def spec_path(fleet_dir: Path, index: int) -> Path:
     return fleet_dir / f"server-{index}.json"
+
+
+def exit_path(fleet_dir: Path, index: int) -> Path:
+    return fleet_dir / f"exit-{index}.json"
+
+
+def how_it_ended(fleet_dir: Path, server: Server, wait_s: float = 0.0) -> str:
+    """'was killed by SIGKILL', 'exited with code 1', or '' while the process runs. The watcher writes the
+    record as the server ends, so a caller that just saw the server vanish can wait a moment for it."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            record = json.loads(exit_path(fleet_dir, server.index).read_text())
+        except (FileNotFoundError, ValueError):
+            record = None
+        if record and record.get("pid") == server.pid:
+            if record["signal"]:
+                return f"was killed by {record['signal']}"
+            return f"exited with code {record['returncode']}"
+        if is_alive(server):
+            return ""
+        if time.monotonic() >= deadline:
+            return "is gone (no exit status recorded: its watcher was killed too)"
+        time.sleep(0.05)
 
 
 def ensure_api_key(fleet_dir: Path) -> str:
@@ -207,15 +234,24 @@ def _reap(pid: int) -> None:
 
 def start_server(server: Server, base_env: dict[str, str], fleet_dir: Path,
                  api_key: str) -> tuple[Server, subprocess.Popen]:
+    """Start the server under its watcher; returns its record and the watcher process."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("AIRFLOW")}  # keep Airflow secrets out
     env.update(base_env)
     env["CUDA_VISIBLE_DEVICES"] = server.gpu
     env["PYTHONUNBUFFERED"] = "1"
     log.info("launching %s: %s", server.name, redact(shlex.join(server.argv), api_key))
+    watch = [sys.executable, "-m", "dflash_regen.server_watch", str(exit_path(fleet_dir, server.index))]
     with open(server.log_path, "ab") as logf:
-        proc = subprocess.Popen(server.argv, stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT,
-                                env=env, start_new_session=True, close_fds=True)
-    launched = Server(**{**asdict(server), "pid": proc.pid, "start_ticks": _start_ticks(proc.pid)})
+        proc = subprocess.Popen([*watch, *server.argv], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                stderr=logf, env=env, start_new_session=True, close_fds=True)
+    line = proc.stdout.readline()
+    proc.stdout.close()
+    if not line.strip().isdigit():
+        proc.wait(timeout=30)
+        raise FleetError(f"{server.name} could not be started (watcher exit {proc.returncode}); log: "
+                         f"{server.log_path}; last lines:\n{log_tail(server.log_path, api_key)}")
+    pid = int(line)
+    launched = Server(**{**asdict(server), "pid": pid, "start_ticks": _start_ticks(pid), "pgid": proc.pid})
     record = {**asdict(launched), "argv": [redact(a, api_key) for a in launched.argv],
               "env": base_env, "launched_at": time.time()}
     path = spec_path(fleet_dir, server.index)
@@ -229,7 +265,7 @@ def load_servers(fleet_dir: Path) -> list[Server]:
     servers = []
     for path in sorted(fleet_dir.glob("server-*.json"), key=lambda p: int(p.stem.split("-")[1])):
         record = json.loads(path.read_text())
-        servers.append(Server(**{k: record[k] for k in Server.__dataclass_fields__}))
+        servers.append(Server(**{k: record[k] for k in Server.__dataclass_fields__ if k in record}))
     return servers
 
 
@@ -239,13 +275,13 @@ def stop_servers(servers: list[Server], *, grace_s: float = 15.0) -> list[str]:
     live = [s for s in servers if s.pid and is_alive(s)]
     for server in live:
         try:
-            os.killpg(server.pid, signal.SIGTERM)
+            os.killpg(server.pgid or server.pid, signal.SIGTERM)
         except ProcessLookupError:
             continue
     deadline = time.monotonic() + grace_s
     while time.monotonic() < deadline:
         for server in live:
-            _reap(server.pid)
+            _reap(server.pgid or server.pid)
         if not any(is_alive(s) for s in live):
             break
         time.sleep(0.1)
@@ -253,12 +289,12 @@ def stop_servers(servers: list[Server], *, grace_s: float = 15.0) -> list[str]:
         if is_alive(server):
             log.warning("%s ignored SIGTERM for %.0f s: sending SIGKILL", server.name, grace_s)
             try:
-                os.killpg(server.pid, signal.SIGKILL)
+                os.killpg(server.pgid or server.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
     for server in live:
         for _ in range(50):
-            _reap(server.pid)
+            _reap(server.pgid or server.pid)
             if not is_alive(server):
                 break
             time.sleep(0.1)
@@ -300,7 +336,8 @@ def _health_ok(server: Server, timeout: float) -> bool:
         return False
 
 
-def wait_ready(servers: list[Server], procs: dict[int, subprocess.Popen], api_key: str, timeout_s: float) -> dict:
+def wait_ready(servers: list[Server], procs: dict[int, subprocess.Popen], api_key: str, timeout_s: float,
+               fleet_dir: Path) -> dict:
     """Poll /health on every server while watching its process; returns seconds-to-ready per index."""
     started = time.monotonic()
     pending = {s.index: s for s in servers}
@@ -308,11 +345,10 @@ def wait_ready(servers: list[Server], procs: dict[int, subprocess.Popen], api_ke
     with ThreadPoolExecutor(max_workers=len(servers)) as pool:
         while pending:
             for index, server in list(pending.items()):
-                code = procs[index].poll()
-                if code is not None:
-                    raise FleetError(f"{server.name} exited with code {code} after {time.monotonic() - started:.0f} s "
-                                     f"before it was ready; log: {server.log_path}; last lines:\n"
-                                     f"{log_tail(server.log_path, api_key)}")
+                if procs[index].poll() is not None:  # the watcher ends when its server has ended
+                    raise FleetError(f"{server.name} {how_it_ended(fleet_dir, server)} after "
+                                     f"{time.monotonic() - started:.0f} s, before it was ready; log: "
+                                     f"{server.log_path}; last lines:\n{log_tail(server.log_path, api_key)}")
             results = dict(zip(pending, pool.map(lambda s: _health_ok(s, 5.0), pending.values()), strict=True))
             for index, ok in results.items():
                 if ok:
@@ -337,7 +373,7 @@ def launch_fleet(cfg: FleetConfig, model_path: Path, fleet_dir: Path) -> list[Se
     leftovers = stop_fleet(fleet_dir)  # a re-run of this run's setup after a crash or a cleared shard
     if leftovers:
         log.warning("stopped %d servers left running by an earlier attempt of this run", len(leftovers))
-    for marker in fleet_dir.glob("unhealthy-*"):  # a fresh fleet starts healthy
+    for marker in [*fleet_dir.glob("unhealthy-*"), *fleet_dir.glob("exit-*.json")]:  # a fresh fleet
         marker.unlink()
     api_key = ensure_api_key(fleet_dir)
     planned = plan_servers(cfg, model_path, fleet_dir, api_key)
@@ -348,7 +384,7 @@ def launch_fleet(cfg: FleetConfig, model_path: Path, fleet_dir: Path) -> list[Se
         for server in planned:
             record, procs[server.index] = start_server(server, dict(cfg.env), fleet_dir, api_key)
             launched.append(record)
-        ready = wait_ready(launched, procs, api_key, cfg.ready_timeout_s)
+        ready = wait_ready(launched, procs, api_key, cfg.ready_timeout_s, fleet_dir)
     except BaseException:
         stop_servers(launched)
         raise
