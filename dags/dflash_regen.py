@@ -36,6 +36,8 @@ DATASET = Asset(name="dflash_regen_dataset", uri="file:///dflash-regen/published
 PARALLEL_SHARDS = int(os.environ.get("DFLASH_PARALLEL_SHARDS", "7"))
 # A failed shard is retried on another server; 0 leaves failed shards for a human to clear (UI tests do).
 GENERATE_RETRIES = int(os.environ.get("DFLASH_GENERATE_RETRIES", "3"))
+# Above every other task's priority (weight_rule "downstream" gives at most the task count).
+TEARDOWN_PRIORITY = 100
 # A run works on one GPU node's RAM disk and loopback servers, so all its tasks go to that node's Celery
 # queue (one queue per node, see docker-compose.yaml); unset = Airflow's default queue, as in the demo.
 NODE_QUEUE = {"queue": os.environ["DFLASH_WORKER_QUEUE"]} if os.environ.get("DFLASH_WORKER_QUEUE") else {}
@@ -295,10 +297,19 @@ def dflash_regen():
         outlet_events[DATASET].extra = result
         return result
 
+    # First in line for a free executor slot: idle GPUs stay held until it runs (tokenize tasks queue up then).
     @teardown
-    @task
+    @task(priority_weight=TEARDOWN_PRIORITY, weight_rule="absolute")
     def stop_fleet(fleet: dict, params=None, run_id=None) -> list[str]:
         return dag_tasks.stop_fleet(params, run_id)
+
+    # The run's verdict. Airflow counts skipped leaves as success, so a run marked failed by hand (its pending
+    # tasks skipped) would turn green once its teardown ran; a teardown still runs then, and with
+    # on_failure_fail_dagrun its result is the run's state: published, or failed.
+    @teardown(on_failure_fail_dagrun=True)
+    @task(retries=0)
+    def check_published(published: dict | None = None, params=None, run_id=None) -> dict:
+        return dag_tasks.check_published(params, run_id)
 
     fleet = launch_fleet(stage_weights())
     checked = smoke_test(fleet, health_check(fleet))
@@ -306,7 +317,7 @@ def dflash_regen():
     calibrated = calibrate(checked, shards)  # measures one server on the run's own prompts, predicts the run
     generated = generate.expand(shard=shards)
     calibrated >> generated >> stop_fleet(fleet)  # the servers are not needed past generation
-    publish(validate(tokenize.expand(generated=generated)))
+    publish(validate(tokenize.expand(generated=generated))) >> check_published()
 
 
 dflash_regen()

@@ -48,7 +48,10 @@ def fail_fast(fn):
         try:
             return fn(*args, **kwargs)
         except (ConfigError, GateFailed, StagingError, PromptSourceError, PublishRefused, TokenizeError) as exc:
-            raise AirflowFailException(f"{type(exc).__name__}: {exc}") from exc
+            # One exception in the library error's place (its traceback, its cause): the task log's error then
+            # opens with the library's message instead of repeating it under a second traceback.
+            raise AirflowFailException(f"{type(exc).__name__}: {exc}").with_traceback(exc.__traceback__) \
+                from exc.__cause__
 
     return wrapper
 
@@ -178,7 +181,8 @@ def generate(params: dict, run_id: str, shard: dict) -> dict:
         expected_rps = planned["scenarios"][0]["requests_per_s_per_server"]
         if cfg.capacity.apply_advised_concurrency:
             settings = replace(settings, in_flight=planned["advice"]["concurrency_per_server"])
-    lease = generation.lease_server(cfg.fleet_dir, servers, shard["shard"], wait_s=cfg.fleet.ready_timeout_s)
+    lease = generation.lease_server(cfg.fleet_dir, servers, shard["shard"], wait_s=cfg.fleet.ready_timeout_s,
+                                    avoid=generation.servers_failed_on(cfg.fleet_dir, shard["shard"]))
     try:
         healthy = len(generation.healthy_servers(cfg.fleet_dir, servers))
         return generation.generate_shard(paths, lease, key, settings, fleet_dir=cfg.fleet_dir,
@@ -211,6 +215,17 @@ def validate(params: dict, run_id: str) -> dict:
         raise GateFailed(f"quality gate failed, nothing will be published: {'; '.join(failed)}. Data Docs: "
                          f"{report['data_docs']}")
     return {"kept": report["kept"], "quarantined": report["quarantined"]}
+
+
+@fail_fast
+def check_published(params: dict, run_id: str) -> dict:
+    """The run's verdict: a run that published nothing is failed, whatever skipped or was marked."""
+    cfg = RunConfig.from_params(params, run_id)
+    manifest = cfg.publish_dir / "manifest.json"
+    if not manifest.is_file():
+        raise PublishRefused(f"run {cfg.run_id} published nothing ({manifest} is missing): the tasks that failed or "
+                             "were skipped before publish say why; clear them (with Downstream) to finish the run")
+    return {"path": str(cfg.publish_dir)}
 
 
 @fail_fast

@@ -321,7 +321,7 @@ def _unhealthy_path(fleet_dir: Path, index: int) -> Path:
 
 def mark_unhealthy(fleet_dir: Path, server: Server, reason: str) -> None:
     _unhealthy_path(fleet_dir, server.index).write_text(reason)
-    log.error("marked %s unhealthy: %s", server.name, reason)
+    log.warning("marked %s unhealthy: %s", server.name, reason)
 
 
 def healthy_servers(fleet_dir: Path, servers: list[Server]) -> list[Server]:

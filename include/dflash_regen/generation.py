@@ -7,7 +7,10 @@
   prompts to `failures/shard-XXXXX/part-*.parquet`. A rerun reads both and sends only what is missing,
   then writes one shard file holding each sample once. A crash loses at most the in-flight requests.
 - **Failures**: transient errors are retried per request with backoff; when the server stops answering
-  it is marked unhealthy and the task fails, so Airflow's retry leases another server.
+  it is marked unhealthy and the task fails with `ShardFailed`, whose first line names the server, how it
+  ended (the signal or exit code its watcher recorded) and how many samples are kept; the server is also
+  recorded in `fleet/failed-shard-XXXXX.json`, which outlives a relaunch, so the retry (or a clear) leases
+  another server first: on real hardware a faulty GPU is the likely cause.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from dflash_regen import atomic
 from dflash_regen.client import ChatResult, PromptError, TransientError, make_session, stream_chat
 from dflash_regen.config import GenerationSettings
 from dflash_regen.errors import DflashError
-from dflash_regen.fleet import Server, healthy_servers, is_alive, mark_unhealthy
+from dflash_regen.fleet import Server, healthy_servers, how_it_ended, is_alive, log_tail, mark_unhealthy
 from dflash_regen.planning import QUARANTINE_SCHEMA
 
 log = logging.getLogger(__name__)
@@ -64,6 +67,29 @@ class NoServerFree(DflashError):
     """Every healthy server is leased by another shard task (or none is healthy)."""
 
 
+class ShardFailed(DflashError):
+    """A shard stopped on its server; its checkpointed results are kept and a retry sends only the rest."""
+
+
+# ---------------------------------------------------------------------------------- where a shard failed
+def _failed_path(fleet_dir: Path, shard: int) -> Path:
+    return fleet_dir / f"failed-shard-{shard:05d}.json"
+
+
+def record_failure(fleet_dir: Path, shard: int, server: Server, reason: str) -> None:
+    """Remember that `shard` failed on `server`; kept across relaunches (unlike the unhealthy markers)."""
+    path = _failed_path(fleet_dir, shard)
+    history = json.loads(path.read_text()) if path.is_file() else []
+    history.append({"server": server.index, "gpu": server.gpu, "reason": reason, "at": time.time()})
+    atomic.write_json(path, history)
+
+
+def servers_failed_on(fleet_dir: Path, shard: int) -> dict[int, str]:
+    """Server index -> the latest reason `shard` failed there."""
+    path = _failed_path(fleet_dir, shard)
+    return {h["server"]: h["reason"] for h in json.loads(path.read_text())} if path.is_file() else {}
+
+
 # ------------------------------------------------------------------------------------------------- leases
 class Lease:
     """An exclusive hold on one server for the life of this process (flock)."""
@@ -75,13 +101,18 @@ class Lease:
         os.close(self._fd)
 
 
-def lease_server(fleet_dir: Path, servers: list[Server], shard: int, wait_s: float) -> Lease:
+def lease_server(fleet_dir: Path, servers: list[Server], shard: int, wait_s: float,
+                 avoid: dict[int, str] | None = None) -> Lease:
+    """Lease a healthy server, never one in `avoid` (where this shard failed before) while another is healthy."""
     deadline = time.monotonic() + wait_s
+    avoid = avoid or {}
     while True:
         candidates = healthy_servers(fleet_dir, servers)
         if not candidates:
             raise NoServerFree(f"no healthy server left in {fleet_dir} ({len(servers)} launched); check the "
                                "server logs there, then clear launch_fleet to relaunch the fleet")
+        if any(s.index not in avoid for s in candidates):  # waiting for another server beats a faulty GPU
+            candidates = [s for s in candidates if s.index not in avoid]
         # Start at a shard-dependent server so parallel tasks spread out instead of racing for server 0.
         ordered = sorted(candidates, key=lambda s: (s.index - shard) % len(servers))
         for server in ordered:
@@ -93,6 +124,10 @@ def lease_server(fleet_dir: Path, servers: list[Server], shard: int, wait_s: flo
                 continue
             os.ftruncate(fd, 0)
             os.write(fd, f"shard {shard} pid {os.getpid()}\n".encode())
+            for index, reason in sorted(avoid.items()):
+                verdict = "leased it again: no other server is healthy" if index == server.index else \
+                    f"leased {server.name} instead"
+                log.warning("shard %d failed on server %d before (%s); %s", shard, index, reason, verdict)
             return Lease(server, fd)
         if time.monotonic() > deadline:
             raise NoServerFree(f"all {len(candidates)} healthy servers stayed leased for {wait_s:.0f} s")
@@ -261,6 +296,24 @@ class Generator:
 
 
 # ------------------------------------------------------------------------------------------------ a shard
+def _failure(shard: int, server: Server, error: BaseException, fleet_dir: Path, api_key: str, kept: int,
+             total: int) -> str:
+    """First line: what happened to which server, and what a retry will do; then the cause and the log tail."""
+    ended = how_it_ended(fleet_dir, server, wait_s=2.0)
+    if ended:
+        what = f"the server process {ended}"
+    elif isinstance(error, ServerUnhealthy):
+        what = "the server stopped answering although its process runs (marked unhealthy)"
+    else:
+        what = "a request kept failing after its retries"
+    if ended or isinstance(error, ServerUnhealthy):
+        record_failure(fleet_dir, shard, server, what)
+    first = (f"shard {shard} failed on {server.name}: {what}; {kept:,} of {total:,} samples are kept, a retry or "
+             f"a clear of this shard sends only the other {total - kept:,}, to another server")
+    return (f"{first}\ncause: {type(error).__name__}: {error}\nlast lines of {server.log_path}:\n"
+            f"{log_tail(server.log_path, api_key, 10)}")
+
+
 @dataclass
 class ShardPaths:
     shard: int
@@ -316,7 +369,8 @@ def generate_shard(paths: ShardPaths, lease: Lease, api_key: str, settings: Gene
         slots, revision = _server_facts(server, api_key)
     except ServerUnhealthy as exc:
         mark_unhealthy(fleet_dir, server, str(exc))
-        raise
+        raise ShardFailed(_failure(paths.shard, server, exc, fleet_dir, api_key, len(done_ids) + len(failed_ids),
+                                   table.num_rows)) from exc
     in_flight = settings.in_flight or slots
     log.info("shard %d on %s: %d prompts, %d done before, %d quarantined before, %d to send, %d in flight",
              paths.shard, server.name, table.num_rows, len(done_ids), len(failed_ids), len(todo), in_flight)
@@ -392,8 +446,9 @@ def generate_shard(paths: ShardPaths, lease: Lease, api_key: str, settings: Gene
     if error is not None:
         if isinstance(error, ServerUnhealthy):
             mark_unhealthy(fleet_dir, server, str(error))
-        raise ServerUnhealthy(f"shard {paths.shard} stopped on {server.name}: {error}; {stats['completed']} "
-                              "results of this attempt are checkpointed, the retry sends only the rest") from error
+        kept = len(done_ids) + len(failed_ids) + stats["completed"] + stats["quarantined"]
+        # from None: the message carries the cause; a chain of requests/urllib3 errors would bury it.
+        raise ShardFailed(_failure(paths.shard, server, error, fleet_dir, api_key, kept, table.num_rows)) from None
     progress()
     completed = merge_parts(paths.parts, paths.output, COMPLETION_SCHEMA)
     quarantined = merge_parts(paths.failures, paths.failures_output, QUARANTINE_SCHEMA)

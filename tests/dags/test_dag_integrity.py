@@ -12,7 +12,7 @@ from dflash_regen.config import RunConfig
 ROOT = Path(__file__).resolve().parents[2]
 
 EXPECTED_TASKS = {"stage_weights", "launch_fleet", "health_check", "smoke_test", "plan_shards", "calibrate",
-                  "generate", "tokenize", "validate", "publish", "stop_fleet"}
+                  "generate", "tokenize", "validate", "publish", "stop_fleet", "check_published"}
 
 
 @pytest.fixture(scope="module")
@@ -160,3 +160,46 @@ def test_parsing_the_dag_does_not_import_heavy_libraries():
     done = subprocess.run([sys.executable, "-c", code, str(ROOT / "dags" / "dflash_regen.py")], capture_output=True,
                           text=True, timeout=120, check=True)
     assert done.stdout.strip().splitlines()[-1] == "[]"
+
+
+@pytest.fixture(scope="module")
+def served(dag):
+    """The DAG as the scheduler sees it (serialized and back)."""
+    from airflow.serialization.serialized_objects import DagSerialization
+
+    return DagSerialization.from_dict(DagSerialization.to_dict(dag))
+
+
+def test_the_teardown_outranks_every_task_that_can_run_beside_it(served):
+    """stop_fleet waited ~2.5 min behind tokenize tasks holding every executor slot, with the GPUs held."""
+    from types import SimpleNamespace
+
+    from airflow.task.priority_strategy import validate_and_load_priority_weight_strategy
+
+    def weight(task):  # what the scheduler orders queued task instances by
+        return validate_and_load_priority_weight_strategy(task.weight_rule).get_weight(SimpleNamespace(task=task))
+
+    stop = served.get_task("stop_fleet")
+    before = stop.get_flat_relative_ids(upstream=True)  # all done before the teardown can run
+    beside = [t for t in served.tasks if t.task_id not in before and t.task_id != "stop_fleet"]
+    assert {t.task_id for t in beside} >= {"tokenize", "validate", "publish", "check_published"}
+    assert all(weight(stop) > weight(t) for t in beside), {t.task_id: weight(t) for t in [stop, *beside]}
+
+
+def test_the_runs_state_is_decided_by_whether_it_published(served):
+    """Airflow counts skipped leaves as success: a run marked failed by hand (pending tasks skipped) turned
+    green when its teardown ran. check_published (a teardown, so it still runs; on_failure_fail_dagrun) is
+    the only leaf that decides the run's state."""
+    from typing import NamedTuple
+
+    from airflow.models.dagrun import DagRun
+
+    class TI(NamedTuple):
+        task_id: str
+        state: str
+
+    tis = [TI(t.task_id, "skipped" if t.task_id == "publish" else "success") for t in served.tasks]
+    deciding = DagRun._tis_for_dagrun_state(None, dag=served, tis=tis)  # Airflow's own leaf rule
+    assert {ti.task_id for ti in deciding} == {"check_published"}
+    check = served.get_task("check_published")
+    assert check.is_teardown and check.on_failure_fail_dagrun and check.upstream_task_ids == {"publish"}

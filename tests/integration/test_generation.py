@@ -12,7 +12,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from dflash_regen import generation
+from dflash_regen import fleet, generation
 from dflash_regen.demo_prompts import write_demo_prompts
 from dflash_regen.fleet import is_alive, load_servers
 from dflash_regen.planning import plan_shards
@@ -68,7 +68,7 @@ def test_leases_are_exclusive_and_a_dead_server_is_not_leased(launch):
     with pytest.raises(generation.NoServerFree, match="stayed leased"):
         generation.lease_server(cfg.fleet_dir, servers, 0, wait_s=0.5)
     first.release()
-    os.killpg(second.server.pid, signal.SIGKILL)
+    os.kill(second.server.pid, signal.SIGKILL)
     second.release()
     time.sleep(0.3)
     lease = generation.lease_server(cfg.fleet_dir, servers, 0, wait_s=1)
@@ -85,21 +85,52 @@ def test_server_killed_mid_shard_fails_over_with_nothing_lost_or_duplicated(laun
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline and not list(parts.glob("part-*.parquet")):
             time.sleep(0.05)
-        os.killpg(servers[0].pid, signal.SIGKILL)
+        os.kill(servers[0].pid, signal.SIGKILL)
 
     killer = threading.Thread(target=kill_server_0_once_results_are_checkpointed)
     killer.start()
-    with pytest.raises(generation.ServerUnhealthy):
+    with pytest.raises(generation.ShardFailed) as failure:
         run_shard(cfg, key, shard, checkpoint_every=5, stall_s=5, request_retries=1)
     killer.join()
     assert (cfg.fleet_dir / "unhealthy-0").exists() and not is_alive(servers[0])
     before = generation.read_done(parts, cfg.run_dir / "completions" / "shard-00000.parquet")
     assert 0 < len(before) < 60
+    # The first line says what happened to which server and what the retry will do; the log tail follows.
+    first, *rest = str(failure.value).splitlines()
+    assert first == (f"shard 0 failed on {servers[0].name}: the server process was killed by SIGKILL; "
+                     f"{len(before)} of 60 samples are kept, a retry or a clear of this shard sends only the "
+                     f"other {60 - len(before)}, to another server"), first
+    assert f"last lines of {servers[0].log_path}:" in rest
+    assert failure.value.__cause__ is None and failure.value.__suppress_context__
     result, server = run_shard(cfg, key, shard)  # the retry leases the other server
     assert server.index == 1
     assert result["generated_now"] == 60 - len(before)
     got = ids_of(result["path"])
     assert sorted(got) == sorted(ids_of(shard["path"])) and len(got) == len(set(got))
+
+
+def test_a_shard_that_failed_on_a_server_prefers_another_one_after_a_relaunch(launch, tmp_path, caplog):
+    cfg, servers, _ = launch(num_servers=2)
+    generation.record_failure(cfg.fleet_dir, 0, servers[0], "the server process was killed by SIGKILL")
+    relaunched = fleet.launch_fleet(cfg.fleet, tmp_path / "model", cfg.fleet_dir)  # as a clear does
+    assert not list(cfg.fleet_dir.glob("unhealthy-*"))  # a fresh fleet: every server healthy again
+    avoid = generation.servers_failed_on(cfg.fleet_dir, 0)
+    assert avoid == {0: "the server process was killed by SIGKILL"}
+    with caplog.at_level("WARNING", logger="dflash_regen.generation"):
+        lease = generation.lease_server(cfg.fleet_dir, relaunched, 0, wait_s=1, avoid=avoid)  # shard 0 -> server 0
+    assert lease.server.index == 1
+    assert ("shard 0 failed on server 0 before (the server process was killed by SIGKILL); leased "
+            f"{relaunched[1].name} instead") in caplog.text
+    # While the other server is busy, the shard waits for it rather than go back to server 0 ...
+    with pytest.raises(generation.NoServerFree):
+        generation.lease_server(cfg.fleet_dir, relaunched, 0, wait_s=0.5, avoid=avoid)
+    lease.release()
+    # ... unless server 0 is the only healthy one left.
+    os.kill(relaunched[1].pid, signal.SIGKILL)
+    time.sleep(0.3)
+    again = generation.lease_server(cfg.fleet_dir, relaunched, 0, wait_s=1, avoid=avoid)
+    assert again.server.index == 0
+    again.release()
 
 
 def test_shard_process_killed_while_checkpointing_resumes_from_its_parts(launch, tmp_path):
