@@ -1,6 +1,6 @@
 """Print what the demo run did, from the run folder's reports (used by scripts/demo.sh).
 
-python -m dflash_regen.demo_summary <output_root> <airflow log> <exit code>
+python -m dflash_regen.demo_summary <output_root> <the run's Airflow task-log folder> <exit code>
 """
 
 from __future__ import annotations
@@ -13,6 +13,24 @@ from pathlib import Path
 def latest_run(output_root: Path) -> Path | None:
     runs = [p for p in (output_root / "runs").glob("*") if p.is_dir()]
     return max(runs, key=lambda p: p.stat().st_mtime) if runs else None
+
+
+def task_failures(log_dir: Path) -> list[str]:
+    """'<task>[<map index>] try <n>: <first line of its error>' from Airflow's JSON task logs of one run."""
+    found = []
+    for path in sorted(log_dir.rglob("attempt=*.log")):
+        parts = {k: v for k, _, v in (p.partition("=") for p in path.relative_to(log_dir).with_suffix("").parts)}
+        where = parts.get("task_id", "?") + (f"[{parts['map_index']}]" if "map_index" in parts else "")
+        for line in path.read_text(errors="replace").splitlines():
+            try:
+                entry = json.loads(line)
+            except ValueError:
+                continue
+            for error in entry.get("error_detail") or []:
+                first = (str(error.get("exc_value", "")).splitlines() or [""])[0]
+                found.append(f"{where} try {parts.get('attempt', '?')}: {error.get('exc_type')}: {first}")
+                break
+    return found
 
 
 def summarize(output_root: Path, log_path: Path, rc: int) -> str:
@@ -60,10 +78,8 @@ def summarize(output_root: Path, log_path: Path, rc: int) -> str:
                          f"{m['counts']['quarantined_by_reason']}")
         lines.append(f"  server logs: {run / 'fleet'}")
     if rc != 0:
-        text = log_path.read_text(errors="replace").splitlines() if log_path.is_file() else []
-        errors = [line for line in text if "ERROR" in line or "Exception:" in line or "Failed:" in line]
-        lines.append(f"demo FAILED (exit {rc}); log: {log_path}")
-        lines.extend("  " + line[:300] for line in errors[-8:])
+        lines.append(f"demo FAILED; task logs: {log_path}")
+        lines.extend(f"  {line[:300]}" for line in task_failures(log_path))
     else:
         lines.append("demo passed: stage -> launch -> health -> smoke -> plan -> generate -> tokenize -> validate -> "
                      "publish, fleet stopped")

@@ -203,3 +203,23 @@ def test_the_runs_state_is_decided_by_whether_it_published(served):
     assert {ti.task_id for ti in deciding} == {"check_published"}
     check = served.get_task("check_published")
     assert check.is_teardown and check.on_failure_fail_dagrun and check.upstream_task_ids == {"publish"}
+
+
+def test_a_setup_error_is_one_exception_whose_first_line_is_the_message(run_params, tmp_path):
+    """Airflow logs the raised exception first and its causes below it; the adapter's wrapper takes the library
+    error's place (its traceback, its cause), so the log opens with the message instead of a second copy."""
+    import traceback
+
+    from airflow.sdk.exceptions import AirflowFailException
+
+    from dflash_regen import dag_tasks
+
+    params = run_params(1, model_source_dir=str(tmp_path / "no-such-model"))
+    with pytest.raises(AirflowFailException) as info:
+        dag_tasks.stage_weights(params, "manual__1")
+    assert str(info.value).splitlines()[0] == (f"StagingError: model source {tmp_path / 'no-such-model'} is not a "
+                                               "directory; set Param model_source_dir to the directory that holds "
+                                               "config.json and the weight files")
+    assert info.value.__cause__ is None and info.value.__suppress_context__
+    frames = [f.name for f in traceback.extract_tb(info.value.__traceback__)]
+    assert "list_source" in frames  # where the library raised it
