@@ -13,7 +13,7 @@ def test_demo_dag_runs_green_on_seven_emulated_servers(dag, run_params, no_lefto
     dag_run = dag.test(run_conf=conf)
     assert states(dag_run) == {t: "success" for t in ("stage_weights", "launch_fleet", "health_check", "smoke_test",
                                                        "plan_shards", "calibrate", "generate", "tokenize",
-                                                       "validate", "publish", "stop_fleet")}
+                                                       "validate", "publish", "stop_fleet", "check_published")}
     assert dag_run.state == "success"
     labels = sorted(ti.rendered_map_index for ti in dag_run.get_task_instances() if ti.task_id == "generate")
     assert labels[0] == "shard 0000 (20 prompts)" and len(labels) == 6
