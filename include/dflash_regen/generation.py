@@ -296,9 +296,10 @@ class Generator:
 
 
 # ------------------------------------------------------------------------------------------------ a shard
-def _failure(shard: int, server: Server, error: BaseException, fleet_dir: Path, api_key: str, kept: int,
-             total: int) -> str:
-    """First line: what happened to which server, and what a retry will do; then the cause and the log tail."""
+def _shard_failed(shard: int, server: Server, error: BaseException, fleet_dir: Path, api_key: str, kept: int,
+                  total: int) -> ShardFailed:
+    """Record where the shard failed when the server is at fault, and build the error: its first line says what
+    happened to which server and what a retry will do; the cause and the server's log tail follow."""
     ended = how_it_ended(fleet_dir, server, wait_s=2.0)
     if ended:
         what = f"the server process {ended}"
@@ -310,8 +311,8 @@ def _failure(shard: int, server: Server, error: BaseException, fleet_dir: Path, 
         record_failure(fleet_dir, shard, server, what)
     first = (f"shard {shard} failed on {server.name}: {what}; {kept:,} of {total:,} samples are kept, a retry or "
              f"a clear of this shard sends only the other {total - kept:,}, to another server")
-    return (f"{first}\ncause: {type(error).__name__}: {error}\nlast lines of {server.log_path}:\n"
-            f"{log_tail(server.log_path, api_key, 10)}")
+    return ShardFailed(f"{first}\ncause: {type(error).__name__}: {error}\nlast lines of {server.log_path}:\n"
+                       f"{log_tail(server.log_path, api_key, 10)}")
 
 
 @dataclass
@@ -369,8 +370,8 @@ def generate_shard(paths: ShardPaths, lease: Lease, api_key: str, settings: Gene
         slots, revision = _server_facts(server, api_key)
     except ServerUnhealthy as exc:
         mark_unhealthy(fleet_dir, server, str(exc))
-        raise ShardFailed(_failure(paths.shard, server, exc, fleet_dir, api_key, len(done_ids) + len(failed_ids),
-                                   table.num_rows)) from exc
+        raise _shard_failed(paths.shard, server, exc, fleet_dir, api_key, len(done_ids) + len(failed_ids),
+                            table.num_rows) from None
     in_flight = settings.in_flight or slots
     log.info("shard %d on %s: %d prompts, %d done before, %d quarantined before, %d to send, %d in flight",
              paths.shard, server.name, table.num_rows, len(done_ids), len(failed_ids), len(todo), in_flight)
@@ -448,7 +449,7 @@ def generate_shard(paths: ShardPaths, lease: Lease, api_key: str, settings: Gene
             mark_unhealthy(fleet_dir, server, str(error))
         kept = len(done_ids) + len(failed_ids) + stats["completed"] + stats["quarantined"]
         # from None: the message carries the cause; a chain of requests/urllib3 errors would bury it.
-        raise ShardFailed(_failure(paths.shard, server, error, fleet_dir, api_key, kept, table.num_rows)) from None
+        raise _shard_failed(paths.shard, server, error, fleet_dir, api_key, kept, table.num_rows) from None
     progress()
     completed = merge_parts(paths.parts, paths.output, COMPLETION_SCHEMA)
     quarantined = merge_parts(paths.failures, paths.failures_output, QUARANTINE_SCHEMA)
