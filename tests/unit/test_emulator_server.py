@@ -472,7 +472,8 @@ def test_low_kv_and_mamba_allocation_faults_are_reported_everywhere(launch):
     state = info["internal_states"][0]
     assert info["max_total_num_tokens"] == 200_000 and state["max_mamba_cache_size"] == 40
     assert state["effective_max_running_requests_per_dp"] == 8
-    assert "KV Cache is allocated. dtype: torch.bfloat16, #tokens: 200000, K size: 3.05 GB, V size: 3.05 GB" in emu.log()
+    assert "KV Cache is allocated. dtype: torch.bfloat16, #tokens: 200000, K size: 3.05 GB, V size: 3.05 GB" \
+        in emu.log()
     assert "max_running_requests=8," in emu.log()
 
 

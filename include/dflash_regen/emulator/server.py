@@ -576,6 +576,8 @@ class _Answer:
         empty = "" if self.emu.forms.empty_content_is_string else None
         message = {"role": "assistant", "content": content or empty, "reasoning_content": reasoning or None,
                    "tool_calls": tool_calls}
+        if tool_calls is None and self.emu.forms.omits_null_tool_calls:
+            del message["tool_calls"]
         return {"id": self.sreq.rid, "object": "chat.completion", "created": self.created, "model": self.req.model,
                 "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": finish,
                              "matched_stop": matched}],

@@ -64,6 +64,10 @@ class Forms:
         return self.at_least("0.5.18")
 
     @property
+    def omits_null_tool_calls(self) -> bool:  # ChatMessage's serializer drops tool_calls when None
+        return self.at_least("0.5.22")
+
+    @property
     def completion_tokens_details(self) -> bool:  # usage.completion_tokens_details.reasoning_tokens
         return self.at_least("0.5.23")
 
