@@ -53,7 +53,7 @@ def emulated(version, tmp_path_factory):
     cfg = RunConfig.from_params(params(root, version, "emulator"), f"contract-{version}")
     servers = fleet.launch_fleet(cfg.fleet, write_demo_model(root / "model"), cfg.fleet_dir)
     try:
-        yield Server(servers[0].url, fleet.read_api_key(cfg.fleet_dir))
+        yield Server(servers[0].url, fleet.read_api_key(cfg.fleet_dir), servers[0], cfg)
     finally:
         fleet.stop_fleet(cfg.fleet_dir)
 
@@ -66,8 +66,8 @@ def params(root, version: str, command: str, server_flags: str = "") -> dict:
 
 
 class Server:
-    def __init__(self, url: str, key: str):
-        self.url, self.key = url, key
+    def __init__(self, url: str, key: str, launched: fleet.Server, cfg: RunConfig):
+        self.url, self.key, self.launched, self.cfg = url, key, launched, cfg
 
     def post(self, body: dict, **kw) -> requests.Response:
         return requests.post(f"{self.url}/v1/chat/completions", json=body, timeout=60,
@@ -175,6 +175,18 @@ def test_error_bodies_and_the_model_list_are_sglangs(judge, emulated):
     assert judge.ask("source_contains", path="sglang/srt/entrypoints/http_server.py",
                      text='"code": "model_not_found"')["found"]
     valid(judge, "ModelList", emulated.get("/v1/models").json())
+
+
+def test_health_check_names_the_mamba_binding_although_the_top_level_is_null(version, emulated):
+    from dflash_regen import probes
+
+    info = emulated.get("/server_info").json()
+    assert info["version"] == version and info["max_mamba_cache_size"] is None  # the CLI echo, as SGLang's
+    health = probes.probe_server(emulated.launched, emulated.key, emulated.cfg.fleet)
+    assert health.healthy and health.version == version
+    assert health.allocation["mamba_slots"] == 80 and health.allocation["running_slots"] == 16
+    assert health.binding == "Mamba slots (80 // 5 = 16)"
+    assert "--max-mamba-cache-size 160 --max-running-requests 32" in health.advice
 
 
 # ------------------------------------------------------------------------------------------ parsers

@@ -4,8 +4,11 @@ import json
 from pathlib import Path
 
 import pyarrow.parquet as pq
+import pytest
 from dag_helpers import run_dir_of, states
 from trainer_loaders import load_first_record_decides
+
+from dflash_regen import sglang
 
 
 def test_demo_dag_runs_green_on_seven_emulated_servers(dag, run_params, no_leftover_servers):
@@ -85,3 +88,22 @@ def test_low_allocation_fails_health_check_and_still_stops_the_fleet(dag, run_pa
     run_dir = run_dir_of(conf, dag_run)
     report = json.loads((run_dir / "reports" / "health.json").read_text())
     assert not report["passed"] and "server 4 (GPU 4" in report["error"]
+
+
+@pytest.mark.parametrize("version", [sglang.OLDEST, sglang.NEWEST_CHECKED])
+def test_whole_dag_is_green_in_each_supported_sglang_versions_mode(dag, run_params, no_leftover_servers, version):
+    # The launcher reads the version at pre-flight and builds that version's argv and env; the readers take
+    # that version's log lines, metric labels and response fields (tests/contract checks them against SGLang).
+    conf = run_params(2, shard_size=61, emulator_profile={"decode_tokens_per_s": 20000, "startup_s": 0.1,
+                                                          "sglang_version": version})
+    dag_run = dag.test(run_conf=conf)
+    assert dag_run.state == "success", states(dag_run)
+    run_dir = run_dir_of(conf, dag_run)
+    health = json.loads((run_dir / "reports" / "health.json").read_text())
+    assert all(s["version"] == version and s["binding"] == "Mamba slots (80 // 5 = 16)" for s in health["servers"])
+    argv = json.loads((run_dir / "fleet" / "server-0.json").read_text())["argv"]
+    env = json.loads((run_dir / "fleet" / "server-0.json").read_text())["env"]
+    assert sglang.Dialect(version).mamba_strategy_flag in argv
+    assert ("SGLANG_ENABLE_SPEC_V2" in env) == (version == sglang.OLDEST)
+    capacity = json.loads((run_dir / "reports" / "capacity.json").read_text())
+    assert capacity["calibration"]["levels"][-1]["output_tokens"] > 0  # metrics read in this version's labels

@@ -1,4 +1,4 @@
-"""SGLang 0.5.10's launch flags and the `ServerArgs.__post_init__` rules that matter for Qwen3.6.
+"""SGLang's launch flags (per emulated version) and the `ServerArgs.__post_init__` rules that matter for Qwen3.6.
 
 `build_parser()` accepts SGLang's flag names, defaults and choices (argparse's own exit 2 on anything
 else); `resolve()` applies the rules that change what a server does — NEXTN is EAGLE, speculative decoding

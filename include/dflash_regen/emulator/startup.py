@@ -1,6 +1,6 @@
-"""SGLang 0.5.10's model-loading sequence as log lines (notes/sglang-api.md §3), paced by the profile's
-`startup_s`, with the start-time faults: a slow weight load (`start_delay_s`) and a CUDA out-of-memory
-crash during graph capture (`crash_at_start`).
+"""SGLang's model-loading sequence as log lines in the emulated version's forms (notes/sglang-api.md §3),
+paced by the profile's `startup_s`, with the start-time faults: a slow weight load (`start_delay_s`) and a
+CUDA out-of-memory crash during graph capture (`crash_at_start`).
 """
 
 from __future__ import annotations
