@@ -44,7 +44,16 @@ from dflash_regen.config import GenerationSettings
 from dflash_regen.errors import DflashError
 from dflash_regen.fleet import Server
 from dflash_regen.generation import chat_payload, sample_seed
-from dflash_regen.sglang import Api, Cancelled, ChatResult, MetricsMissing, PromptError, TransientError, make_session
+from dflash_regen.sglang import (
+    Api,
+    Cancelled,
+    ChatResult,
+    MetricsMissing,
+    PromptError,
+    TransientError,
+    make_session,
+    with_retries,
+)
 
 log = logging.getLogger(__name__)
 
@@ -185,24 +194,21 @@ class _Level:
             tools = json.loads(row["tools"]) if row["tools"] else None
             payload = chat_payload(messages, tools, self.settings, sample_seed(row["sample_id"], self.settings.seed),
                                    self.settings.max_tokens)
-            for attempt in range(self.settings.request_retries + 1):
-                try:
-                    result = self.api.stream(payload, stall_s=self.settings.stall_s,
-                                             cap_s=self.settings.request_cap_s, stop=self.stop)
-                except Cancelled:
-                    return
-                except PromptError:
-                    break  # the prompt's fault (planning would quarantine it in generate): measure the others
-                except TransientError as exc:
-                    if attempt == self.settings.request_retries:
-                        self.errors.append(exc)
-                        self.stop.set()
-                        return
-                    time.sleep(min(2.0**attempt, 10.0))
-                    continue
-                with self._lock:
-                    self.results.append(result)
-                break
+            try:
+                result = with_retries(lambda p=payload: self.api.stream(p, stall_s=self.settings.stall_s,
+                                                                        cap_s=self.settings.request_cap_s,
+                                                                        stop=self.stop),
+                                      self.settings.request_retries + 1, max_delay_s=10.0)
+            except Cancelled:
+                return
+            except PromptError:
+                continue  # the prompt's fault (planning would quarantine it in generate): measure the others
+            except TransientError as exc:
+                self.errors.append(exc)
+                self.stop.set()
+                return
+            with self._lock:
+                self.results.append(result)
 
     def run(self, window_s: float | None) -> dict:
         """One level: warm up until the server runs the whole batch (at most `WARMUP_S`), then measure.

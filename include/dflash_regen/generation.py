@@ -268,7 +268,7 @@ class Generator:
             "reasoning_content": result.reasoning or None, "content": result.content or None,
             "tool_calls": json.dumps(result.tool_calls) if result.tool_calls else None,
             "finish_reason": result.finish_reason, "prompt_tokens": usage.get("prompt_tokens"),
-            "completion_tokens": usage.get("completion_tokens"), "reasoning_tokens": usage.get("reasoning_tokens"),
+            "completion_tokens": usage.get("completion_tokens"), "reasoning_tokens": sglang.reasoning_tokens(usage),
             "latency_s": result.latency_s, "finished_at": time.time(), "attempt": attempt, "max_tokens": max_tokens,
             "temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k, "min_p": s.min_p,
             "presence_penalty": s.presence_penalty, "seed": seed, "enable_thinking": s.enable_thinking,
