@@ -31,7 +31,7 @@ from typing import TypeVar
 import requests
 from requests.adapters import HTTPAdapter
 
-from dflash_regen.errors import DflashError
+from dflash_regen.errors import DflashError, VersionRefused
 
 log = logging.getLogger(__name__)
 
@@ -41,10 +41,6 @@ OLDEST = "0.5.10"  # the first SGLang that runs Qwen3.6 (SGLang's Qwen3.6 cookbo
 NEWEST_CHECKED = "0.5.23"  # the newest on PyPI when the contract tests were last extended
 RECOMMENDED = "0.5.16"  # scripts/build-sglang-venv.sh's default: SGLang's Qwen3.6 cookbook benchmarks ran on it
 KNOWN_BAD_MTP_HYBRID = ("0.5.13", "0.5.14")  # spec v2 + extra_buffer crash on Qwen3.5/3.6 (sglang#28484, #29516)
-
-
-class VersionRefused(DflashError):
-    """This SGLang version cannot run the requested launch: says why and what to install instead."""
 
 
 def parse_version(text: str) -> tuple[int, ...]:

@@ -1,6 +1,7 @@
 """The SGLang adapter's version rules, log and metric readers (the contract tests check them against SGLang)."""
 
 import pytest
+from conftest import free_port_block
 
 from dflash_regen import sglang
 from dflash_regen.config import COOKBOOK_ENV, COOKBOOK_FLAGS, merge_flags
@@ -66,3 +67,29 @@ def test_the_emulator_default_is_the_venv_builders_default_and_the_recommended_v
     assert f'SGLANG_VERSION="${{SGLANG_VERSION:-{DEFAULT_VERSION}}}"' in script
     assert DEFAULT_VERSION == sglang.RECOMMENDED
     assert SUPPORTED == (sglang.OLDEST, sglang.NEWEST_CHECKED)
+
+
+def test_launch_refuses_a_known_bad_sglang_before_starting_anything(tmp_path, monkeypatch):
+    """Pre-flight asks the server interpreter for `sglang.__version__`: 0.5.13 + MTP on Qwen3.6 is refused as a
+    configuration error (Airflow does not retry it) and no process is started."""
+    import json
+    import sys
+
+    from dflash_regen import fleet
+    from dflash_regen.config import DEFAULTS, RunConfig
+    from dflash_regen.errors import ConfigError
+
+    fake = tmp_path / "site" / "sglang"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text('__version__ = "0.5.13"\n')
+    monkeypatch.setenv("PYTHONPATH", str(fake.parent))
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"architectures": ["Qwen3_5ForConditionalGeneration"]}))
+    params = {**DEFAULTS, "server_command": f"{sys.executable} -m sglang.launch_server", "num_servers": 1,
+              "base_port": free_port_block(1), "output_root": str(tmp_path / "out")}
+    cfg = RunConfig.from_params(params, "bad-version")
+    with pytest.raises(VersionRefused, match="SGLang 0.5.13 crashes with MTP") as info:
+        fleet.launch_fleet(cfg.fleet, model, cfg.fleet_dir)
+    assert isinstance(info.value, ConfigError)
+    assert not list(cfg.fleet_dir.glob("server-*.json"))  # nothing was launched
