@@ -231,8 +231,7 @@ def auth_headers(api_key: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
 
-def with_retries(call: Callable[[], T], attempts: int, *, delay_s: float = 1.0, max_delay_s: float = 30.0,
-                 on_retry: Callable[[int, TransientError], None] | None = None) -> T:
+def with_retries(call: Callable[[], T], attempts: int, *, delay_s: float = 1.0, max_delay_s: float = 30.0) -> T:
     """The retry policy: a `TransientError` is retried with doubling delays, anything else propagates
     (a `PromptError` is the prompt's fault; sending it again cannot help)."""
     for attempt in range(1, attempts + 1):
@@ -241,11 +240,14 @@ def with_retries(call: Callable[[], T], attempts: int, *, delay_s: float = 1.0, 
         except TransientError as exc:
             if attempt == attempts:
                 raise
-            if on_retry:
-                on_retry(attempt, exc)
+            log.info("attempt %d of %d failed (%s); retrying in %.0f s", attempt, attempts, exc, delay_s)
             time.sleep(delay_s)
             delay_s = min(delay_s * 2, max_delay_s)
     raise AssertionError("attempts must be >= 1")
+
+
+# Sent when set on the settings object (None = the server's default).
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty")
 
 
 def chat_payload(messages: list[dict], tools: list[dict] | None, sampling, *, model: str, max_tokens: int,
@@ -261,9 +263,6 @@ def chat_payload(messages: list[dict], tools: list[dict] | None, sampling, *, mo
     if tools:
         payload["tools"] = tools
     return payload
-
-
-SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty")
 
 
 def make_session(pool_size: int) -> requests.Session:
