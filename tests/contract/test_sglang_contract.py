@@ -26,6 +26,9 @@ from dflash_regen import fleet, sglang
 from dflash_regen.config import DEFAULTS, RunConfig
 from dflash_regen.smoke import PROMPTS
 
+# One xdist worker runs them all, so each version's judge and emulated server start once (module fixtures).
+pytestmark = pytest.mark.xdist_group("sglang_contract")
+
 ADVISED = "--max-mamba-cache-size 160 --max-running-requests 32"  # the capacity planner's advice on the seed node
 
 
