@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
 import shutil
 import subprocess
 import sys
+import tempfile
 import zipfile
 from pathlib import Path
 
@@ -17,24 +19,27 @@ JUDGE = Path(__file__).with_name("judge.py")
 
 
 def unpacked_wheel(version: str) -> Path:
-    """`pip download sglang==V --no-deps`, unpacked (Python files only) under ~/.cache/dflash-regen/sglang/V."""
+    """`pip download sglang==V --no-deps`, unpacked (Python files only) under ~/.cache/dflash-regen/sglang/V.
+
+    Under a file lock and renamed into place, so parallel test workers neither race nor see half a tree."""
     root = CACHE / version
-    done = root / ".complete"
-    if done.is_file():
-        return root
-    wheels = CACHE / "wheels"
-    wheels.mkdir(parents=True, exist_ok=True)
-    found = sorted(wheels.glob(f"sglang-{version}-*.whl"))
-    if not found:
-        # pip itself: the project venv is built by uv without pip; the system python3 has it (scripts/setup.sh).
-        python = shutil.which("python3") or sys.executable
-        subprocess.run([python, "-m", "pip", "download", f"sglang=={version}", "--no-deps", "--only-binary=:all:",
-                        "-q", "-d", str(wheels)], check=True, timeout=600)
+    CACHE.mkdir(parents=True, exist_ok=True)
+    with open(CACHE / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if root.is_dir():
+            return root
+        wheels = CACHE / "wheels"
         found = sorted(wheels.glob(f"sglang-{version}-*.whl"))
-    with zipfile.ZipFile(found[0]) as wheel:
-        members = [m for m in wheel.namelist() if m.startswith("sglang/") and m.endswith(".py")]
-        wheel.extractall(root, members)
-    done.write_text(found[0].name)
+        if not found:
+            # pip itself: the project venv is built by uv without pip; the system python3 has it (setup.sh).
+            python = shutil.which("python3") or sys.executable
+            subprocess.run([python, "-m", "pip", "download", f"sglang=={version}", "--no-deps",
+                            "--only-binary=:all:", "-q", "-d", str(wheels)], check=True, timeout=600)
+            found = sorted(wheels.glob(f"sglang-{version}-*.whl"))
+        tmp = Path(tempfile.mkdtemp(prefix=f".{version}-", dir=CACHE))
+        with zipfile.ZipFile(found[0]) as wheel:
+            wheel.extractall(tmp, [m for m in wheel.namelist() if m.startswith("sglang/") and m.endswith(".py")])
+        tmp.rename(root)
     return root
 
 
