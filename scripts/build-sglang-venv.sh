@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Build SGLang's own venv on the GPU node, on a LOCAL disk (the seed's imports hung on a network mount).
-# Usage: scripts/build-sglang-venv.sh [/opt/sglang-venv]   (env SGLANG_VERSION, default 0.5.10)
+# Usage: scripts/build-sglang-venv.sh [/opt/sglang-venv]   (env SGLANG_VERSION, default 0.5.16)
 # Then set Param server_command (or env DFLASH_SERVER_COMMAND) to: <venv>/bin/python -m sglang.launch_server
 set -euo pipefail
 VENV="${1:-/opt/sglang-venv}"
-SGLANG_VERSION="${SGLANG_VERSION:-0.5.10}"  # >= 0.5.10 for Qwen3.6; 0.5.13 crashes with Qwen3.5/3.6 + MTP
+SGLANG_VERSION="${SGLANG_VERSION:-0.5.16}"  # supported 0.5.10-0.5.23 (dflash_regen.sglang); Qwen3.6 cookbook ran 0.5.16; 0.5.13/0.5.14 crash with MTP
 fstype=$(stat -f -c %T "$(dirname "$VENV")")
 case "$fstype" in
   nfs*|cifs|smb*|fuse*|9p|lustre|gpfs|ceph*|glusterfs)

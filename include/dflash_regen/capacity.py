@@ -29,7 +29,6 @@ import itertools
 import json
 import logging
 import math
-import re
 import sys
 import tempfile
 import threading
@@ -39,20 +38,27 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow.parquet as pq
-import requests
 
 from dflash_regen import atomic
-from dflash_regen.client import Cancelled, ChatResult, PromptError, TransientError, make_session, stream_chat
 from dflash_regen.config import GenerationSettings
 from dflash_regen.errors import DflashError
 from dflash_regen.fleet import Server
 from dflash_regen.generation import chat_payload, sample_seed
+from dflash_regen.sglang import (
+    Api,
+    Cancelled,
+    ChatResult,
+    MetricsMissing,
+    PromptError,
+    TransientError,
+    make_session,
+    with_retries,
+)
 
 log = logging.getLogger(__name__)
 
 REPORT = "capacity.json"
 SCHEMA_VERSION = 1
-METRIC = re.compile(r"^sglang:(generation_tokens_total|num_running_reqs)(?:\{[^}]*\})? ([0-9.eE+-]+)$", re.M)
 SAMPLE_EVERY_S = 0.1
 WARMUP_S = 5.0
 MIN_WINDOW_S, MAX_WINDOW_S = 1.0, 30.0
@@ -121,21 +127,19 @@ class Curve:
 
 
 # ---------------------------------------------------------------------------------------------- measuring
-def read_metrics(session: requests.Session, url: str) -> tuple[float, float]:
+def read_metrics(api: Api) -> tuple[float, float]:
     """(generation tokens so far, running requests now) from SGLang's Prometheus endpoint."""
     try:
-        resp = session.get(f"{url}/metrics", timeout=10)
-    except requests.RequestException as exc:
-        raise CapacityError(f"{url}/metrics did not answer ({exc})") from exc
-    if resp.status_code == 404:
-        raise CapacityError(f"{url}/metrics answered 404: calibration reads SGLang's token counter, so launch with "
-                            "--enable-metrics (a cookbook default: drop '--enable-metrics off' from server_flags), "
-                            "or set Param calibration_prompts to 0 to skip calibration")
-    resp.raise_for_status()
-    found = dict(METRIC.findall(resp.text))
+        found = api.metrics()
+    except MetricsMissing as exc:
+        raise CapacityError(f"{exc}: calibration reads SGLang's token counter, so launch with --enable-metrics "
+                            "(a cookbook default: drop '--enable-metrics off' from server_flags), or set Param "
+                            "calibration_prompts to 0 to skip calibration") from exc
+    except TransientError as exc:
+        raise CapacityError(str(exc)) from exc
     if "generation_tokens_total" not in found:
-        raise CapacityError(f"{url}/metrics has no sglang:generation_tokens_total; is this SGLang >= 0.5.10?")
-    return float(found["generation_tokens_total"]), float(found.get("num_running_reqs", "nan"))
+        raise CapacityError(f"{api.url}/metrics has no sglang:generation_tokens_total; is this SGLang >= 0.5.10?")
+    return found["generation_tokens_total"], found.get("num_running_reqs", float("nan"))
 
 
 def sample_prompts(shards: list[dict], k: int, seed: int) -> list[dict]:
@@ -169,6 +173,7 @@ class _Level:
         self.server, self.api_key, self.settings = server, api_key, settings
         self.concurrency = concurrency
         self.session = make_session(concurrency + 1)
+        self.api = Api(server.url, api_key, session=self.session)
         self._prompts = itertools.cycle(prompts) if cycle else iter(prompts)
         self._lock = threading.Lock()
         self.stop = threading.Event()
@@ -189,25 +194,21 @@ class _Level:
             tools = json.loads(row["tools"]) if row["tools"] else None
             payload = chat_payload(messages, tools, self.settings, sample_seed(row["sample_id"], self.settings.seed),
                                    self.settings.max_tokens)
-            for attempt in range(self.settings.request_retries + 1):
-                try:
-                    result = stream_chat(self.session, self.server.url, self.api_key, payload,
-                                         stall_s=self.settings.stall_s, cap_s=self.settings.request_cap_s,
-                                         stop=self.stop)
-                except Cancelled:
-                    return
-                except PromptError:
-                    break  # the prompt's fault (planning would quarantine it in generate): measure the others
-                except TransientError as exc:
-                    if attempt == self.settings.request_retries:
-                        self.errors.append(exc)
-                        self.stop.set()
-                        return
-                    time.sleep(min(2.0**attempt, 10.0))
-                    continue
-                with self._lock:
-                    self.results.append(result)
-                break
+            try:
+                result = with_retries(lambda p=payload: self.api.stream(p, stall_s=self.settings.stall_s,
+                                                                        cap_s=self.settings.request_cap_s,
+                                                                        stop=self.stop),
+                                      self.settings.request_retries + 1, max_delay_s=10.0)
+            except Cancelled:
+                return
+            except PromptError:
+                continue  # the prompt's fault (planning would quarantine it in generate): measure the others
+            except TransientError as exc:
+                self.errors.append(exc)
+                self.stop.set()
+                return
+            with self._lock:
+                self.results.append(result)
 
     def run(self, window_s: float | None) -> dict:
         """One level: warm up until the server runs the whole batch (at most `WARMUP_S`), then measure.
@@ -216,7 +217,7 @@ class _Level:
         and the measurement ends when the last one is sent (the drain that follows is not steady state).
         """
         threads = [threading.Thread(target=self._worker, daemon=True) for _ in range(self.concurrency)]
-        tokens_start = read_metrics(self.session, self.server.url)[0]
+        tokens_start = read_metrics(self.api)[0]
         started = time.monotonic()
         for t in threads:
             t.start()
@@ -225,20 +226,20 @@ class _Level:
         fill_s = None
         while not self.stop.is_set() and not (window_s is None and self.drained.is_set()) \
                 and time.monotonic() - started < WARMUP_S:
-            if read_metrics(self.session, self.server.url)[1] >= self.concurrency:
+            if read_metrics(self.api)[1] >= self.concurrency:
                 fill_s = time.monotonic() - started
                 break
             time.sleep(SAMPLE_EVERY_S)
         t0, tokens0 = started, tokens_start
         if fill_s is not None:
-            t0, tokens0 = time.monotonic(), read_metrics(self.session, self.server.url)[0]
+            t0, tokens0 = time.monotonic(), read_metrics(self.api)[0]
         running: list[float] = []
         while not self.stop.is_set():
             time.sleep(SAMPLE_EVERY_S)
-            running.append(read_metrics(self.session, self.server.url)[1])
+            running.append(read_metrics(self.api)[1])
             if (window_s and time.monotonic() - t0 >= window_s) or (not window_s and self.drained.is_set()):
                 break
-        t1, tokens1 = time.monotonic(), read_metrics(self.session, self.server.url)[0]
+        t1, tokens1 = time.monotonic(), read_metrics(self.api)[0]
         if window_s:
             self.stop.set()
         for t in threads:
@@ -315,6 +316,7 @@ class Memory:
             ratio = 1 if not alloc.get("radix_cache", True) else 3
             if alloc.get("radix_cache", True) and alloc.get("mamba_strategy") == "extra_buffer":
                 ratio += 1 if mamba // 4 == slots and mamba // 5 != slots else 2
+            ratio = figures.get("mamba_ratio") or ratio  # 0.5.18+ logs it
         return cls(server=entry.get("server", ""), kv_tokens=alloc["kv_tokens"], running_slots=slots,
                    max_running_requests=alloc.get("max_running_requests"), mamba_slots=mamba, mamba_ratio=ratio,
                    kv_gb=alloc.get("kv_cache_gb") or figures.get("kv_cache_gb"), mamba_gb=figures.get("mamba_gb"),

@@ -13,6 +13,10 @@ class ConfigError(DflashError, ValueError):
     """A run parameter is invalid: names the field, the value and the rule."""
 
 
+class VersionRefused(ConfigError):
+    """The server's SGLang version cannot run this launch (known-bad, too old): says why and what to install."""
+
+
 class StagingError(DflashError):
     """Model weights could not be staged (space, missing files, checksum mismatch)."""
 

@@ -25,10 +25,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import requests
-
 from dflash_regen.config import FleetConfig
 from dflash_regen.errors import FleetError
+from dflash_regen.sglang import Api, Dialect
 
 log = logging.getLogger(__name__)
 
@@ -126,12 +125,15 @@ def log_tail(path: str | Path, secret: str = "", lines: int = 25) -> str:
     return redact(tail, secret) or "(log is empty)"
 
 
-def plan_servers(cfg: FleetConfig, model_path: Path, fleet_dir: Path, api_key: str) -> list[Server]:
+def plan_servers(cfg: FleetConfig, model_path: Path, fleet_dir: Path, api_key: str,
+                 dialect: Dialect | None = None) -> list[Server]:
+    """One argv per server, with the flags in the names of the SGLang version that will run them."""
+    flags = dialect.launch_flags(list(cfg.flags)) if dialect else list(cfg.flags)
     servers = []
     for i in range(cfg.num_servers):
         argv = [*cfg.server_argv, "--model-path", str(model_path), "--served-model-name", cfg.served_model_name,
                 # '=' form: a key that starts with '-' would otherwise read as a flag to argparse.
-                "--host", cfg.host, "--port", str(cfg.port(i)), f"--api-key={api_key}", *cfg.flags]
+                "--host", cfg.host, "--port", str(cfg.port(i)), f"--api-key={api_key}", *flags]
         servers.append(Server(i, cfg.gpu_ids[i], cfg.host, cfg.port(i), argv, str(fleet_dir / f"server-{i}.log")))
     return servers
 
@@ -167,8 +169,8 @@ def check_port_free(host: str, port: int) -> None:
                              "base_port to a free range.") from exc
 
 
-def check_server_command(cfg: FleetConfig) -> None:
-    """The interpreter must be on a local disk and able to import the server package in time."""
+def check_server_command(cfg: FleetConfig) -> str:
+    """The interpreter must be on a local disk and import the server package in time; returns its version."""
     exe = shutil.which(cfg.server_argv[0])
     if exe is None:
         raise FleetError(f"server command {cfg.server_argv[0]!r} not found or not executable; build SGLang's "
@@ -179,30 +181,52 @@ def check_server_command(cfg: FleetConfig) -> None:
                          "imports hang there. Build a local venv (scripts/build-sglang-venv.sh) and point Param "
                          "server_command at it.")
     argv = list(cfg.server_argv)
-    if "-m" in argv[:-1]:
-        package = argv[argv.index("-m") + 1].split(".")[0]
-        probe = [argv[0], "-c", f"import {package}"]
-        started = time.monotonic()
-        try:
-            done = subprocess.run(probe, capture_output=True, text=True, timeout=cfg.import_timeout_s, check=False)
-        except subprocess.TimeoutExpired as exc:
-            raise FleetError(f"`{shlex.join(probe)}` did not finish in {cfg.import_timeout_s:.0f} s: imports are "
-                             "hanging (network filesystem? see the seed); use a local venv") from exc
-        if done.returncode != 0:
-            last = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
-            raise FleetError(f"`{shlex.join(probe)}` failed (exit {done.returncode}): {last}. Install the server "
-                             "package into that interpreter (scripts/build-sglang-venv.sh).")
-        log.info("pre-flight: %s imports %s in %.1f s", argv[0], package, time.monotonic() - started)
+    if "-m" not in argv[:-1]:
+        return ""
+    package = argv[argv.index("-m") + 1].split(".")[0]
+    # The emulator says which SGLang it emulates (its profile is in the launch env); SGLang has __version__.
+    code = ("from dflash_regen.emulator.versions import emulated_version; print(emulated_version())"
+            if cfg.is_emulator else f"import {package}; print(getattr({package}, '__version__', ''))")
+    probe = [argv[0], "-c", code]
+    started = time.monotonic()
+    try:
+        done = subprocess.run(probe, capture_output=True, text=True, timeout=cfg.import_timeout_s, check=False,
+                              env={**os.environ, **dict(cfg.env)})
+    except subprocess.TimeoutExpired as exc:
+        raise FleetError(f"`{shlex.join(probe)}` did not finish in {cfg.import_timeout_s:.0f} s: imports are "
+                         "hanging (network filesystem? see the seed); use a local venv") from exc
+    if done.returncode != 0:
+        last = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
+        raise FleetError(f"`{shlex.join(probe)}` failed (exit {done.returncode}): {last}. Install the server "
+                         "package into that interpreter (scripts/build-sglang-venv.sh).")
+    version = (done.stdout.strip().splitlines() or [""])[-1]
+    log.info("pre-flight: %s imports %s %s in %.1f s", argv[0], package, version, time.monotonic() - started)
+    return version
 
 
-def preflight(cfg: FleetConfig, servers: list[Server], model_path: Path) -> None:
+def is_hybrid(model_path: Path) -> bool:
+    """Mamba-hybrid (Qwen3.5/3.6, Qwen3-Next) by the checkpoint's architecture, as SGLang decides it."""
+    try:
+        archs = json.loads((model_path / "config.json").read_text()).get("architectures") or []
+    except (OSError, ValueError):
+        return True
+    return any(a.startswith(("Qwen3_5", "Qwen3Next")) for a in archs)
+
+
+def preflight(cfg: FleetConfig, servers: list[Server], model_path: Path) -> Dialect | None:
+    """Everything checkable before a process starts; returns the SGLang version's dialect (None if unknown)."""
     if not (model_path / "config.json").is_file():
         raise FleetError(f"model dir {model_path} has no config.json; run stage_weights first")
     if len(set(cfg.gpu_ids)) != len(cfg.gpu_ids):
         raise FleetError(f"GPU ids {','.join(cfg.gpu_ids)} repeat a GPU; give each server its own")
     for server in servers:
         check_port_free(server.host, server.port)
-    check_server_command(cfg)
+    version = check_server_command(cfg)
+    if not version:
+        return None
+    dialect = Dialect(version)
+    dialect.refuse(dialect.launch_flags(list(cfg.flags)), hybrid=is_hybrid(model_path))
+    return dialect
 
 
 # ------------------------------------------------------------------------------------------ process control
@@ -330,10 +354,7 @@ def healthy_servers(fleet_dir: Path, servers: list[Server]) -> list[Server]:
 
 # ---------------------------------------------------------------------------------------------- readiness
 def _health_ok(server: Server, timeout: float) -> bool:
-    try:
-        return requests.get(f"{server.url}/health", timeout=timeout).status_code == 200
-    except requests.RequestException:
-        return False
+    return Api(server.url, "").is_ready(timeout)
 
 
 def wait_ready(servers: list[Server], procs: dict[int, subprocess.Popen], api_key: str, timeout_s: float,
@@ -363,6 +384,17 @@ def wait_ready(servers: list[Server], procs: dict[int, subprocess.Popen], api_ke
     return ready
 
 
+def confirm_version(servers: list[Server], api_key: str, expected: str) -> None:
+    """After launch, /server_info must report the version pre-flight found (else the argv was built for
+    another SGLang than the one running)."""
+    for server in servers:
+        running = Api(server.url, api_key).version()
+        if running and running != expected:
+            raise FleetError(f"{server.name} runs SGLang {running}, but its interpreter imported {expected} at "
+                             "pre-flight; the argv was built for the wrong version. Check Param server_command.")
+    log.info("fleet runs SGLang %s", expected)
+
+
 def launch_fleet(cfg: FleetConfig, model_path: Path, fleet_dir: Path) -> list[Server]:
     """Stop leftovers of this run, pre-flight, start all servers, wait until every one is ready.
 
@@ -376,15 +408,18 @@ def launch_fleet(cfg: FleetConfig, model_path: Path, fleet_dir: Path) -> list[Se
     for marker in [*fleet_dir.glob("unhealthy-*"), *fleet_dir.glob("exit-*.json")]:  # a fresh fleet
         marker.unlink()
     api_key = ensure_api_key(fleet_dir)
-    planned = plan_servers(cfg, model_path, fleet_dir, api_key)
-    preflight(cfg, planned, model_path)
+    dialect = preflight(cfg, plan_servers(cfg, model_path, fleet_dir, api_key), model_path)
+    planned = plan_servers(cfg, model_path, fleet_dir, api_key, dialect)
+    env = dialect.launch_env(dict(cfg.env)) if dialect else dict(cfg.env)
     launched: list[Server] = []
     procs: dict[int, subprocess.Popen] = {}
     try:
         for server in planned:
-            record, procs[server.index] = start_server(server, dict(cfg.env), fleet_dir, api_key)
+            record, procs[server.index] = start_server(server, env, fleet_dir, api_key)
             launched.append(record)
         ready = wait_ready(launched, procs, api_key, cfg.ready_timeout_s, fleet_dir)
+        if dialect:
+            confirm_version(launched, api_key, dialect.version)
     except BaseException:
         stop_servers(launched)
         raise

@@ -29,14 +29,13 @@ from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
-import requests
 
-from dflash_regen import atomic
-from dflash_regen.client import ChatResult, PromptError, TransientError, make_session, stream_chat
+from dflash_regen import atomic, sglang
 from dflash_regen.config import GenerationSettings
 from dflash_regen.errors import DflashError
 from dflash_regen.fleet import Server, healthy_servers, how_it_ended, is_alive, log_tail, mark_unhealthy
 from dflash_regen.planning import QUARANTINE_SCHEMA
+from dflash_regen.sglang import ChatResult, PromptError, TransientError, make_session, stream_chat
 
 log = logging.getLogger(__name__)
 
@@ -176,14 +175,9 @@ def sample_seed(sample_id: str, run_seed: int) -> int:
 
 
 def chat_payload(messages: list[dict], tools: list[dict] | None, settings: GenerationSettings, seed: int,
-             max_tokens: int) -> dict:
-    payload = {"model": settings.served_model, "messages": messages, "max_tokens": max_tokens,
-               "temperature": settings.temperature, "top_p": settings.top_p, "top_k": settings.top_k,
-               "min_p": settings.min_p, "presence_penalty": settings.presence_penalty, "seed": seed,
-               "chat_template_kwargs": {"enable_thinking": settings.enable_thinking}}
-    if tools:
-        payload["tools"] = tools
-    return payload
+                 max_tokens: int) -> dict:
+    return sglang.chat_payload(messages, tools, settings, model=settings.served_model, max_tokens=max_tokens,
+                               seed=seed)
 
 
 def _turn(result: ChatResult) -> dict:
@@ -239,17 +233,8 @@ class Generator:
         """A real 1-token generation: `/health` can answer while the scheduler is wedged (sglang#6624)."""
         if not is_alive(self.server):
             return False
-        probe = {"model": self.settings.served_model, "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}],
-                 "chat_template_kwargs": {"enable_thinking": False}}
-        for _ in range(2):  # one probe may meet the same transient fault as the request it checks
-            try:
-                requests.post(f"{self.server.url}/v1/chat/completions", json=probe,
-                              timeout=min(30.0, self.settings.stall_s),
-                              headers={"Authorization": f"Bearer {self.api_key}"})
-                return True  # any answer, even a 5xx, means the scheduler is there
-            except requests.RequestException:
-                continue
-        return False
+        return sglang.Api(self.server.url, self.api_key).answers(self.settings.served_model,
+                                                                 timeout_s=min(30.0, self.settings.stall_s))
 
     def generate(self, sample: dict) -> dict:
         """One completion row for a shard row (sample_id, messages, tools)."""
@@ -283,7 +268,7 @@ class Generator:
             "reasoning_content": result.reasoning or None, "content": result.content or None,
             "tool_calls": json.dumps(result.tool_calls) if result.tool_calls else None,
             "finish_reason": result.finish_reason, "prompt_tokens": usage.get("prompt_tokens"),
-            "completion_tokens": usage.get("completion_tokens"), "reasoning_tokens": usage.get("reasoning_tokens"),
+            "completion_tokens": usage.get("completion_tokens"), "reasoning_tokens": sglang.reasoning_tokens(usage),
             "latency_s": result.latency_s, "finished_at": time.time(), "attempt": attempt, "max_tokens": max_tokens,
             "temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k, "min_p": s.min_p,
             "presence_penalty": s.presence_penalty, "seed": seed, "enable_thinking": s.enable_thinking,
@@ -333,16 +318,13 @@ class ShardPaths:
 
 def _server_facts(server: Server, api_key: str) -> tuple[int, str | None]:
     """(effective running-request slots, weight version) of the leased server."""
-    headers = {"Authorization": f"Bearer {api_key}"}
+    api = sglang.Api(server.url, api_key)
     try:
-        info = requests.get(f"{server.url}/server_info", headers=headers, timeout=30)
-        info.raise_for_status()
-        model = requests.get(f"{server.url}/model_info", headers=headers, timeout=30)
-        model.raise_for_status()
-        slots = int(info.json()["internal_states"][0]["effective_max_running_requests_per_dp"])
-    except (requests.RequestException, KeyError, IndexError, ValueError) as exc:
+        slots = api.allocation().running_slots
+        model = api.model_info()
+    except (DflashError, ValueError) as exc:
         raise ServerUnhealthy(f"{server.name} did not report its slots ({exc})") from exc
-    return slots, model.json().get("weight_version")
+    return slots, model.get("weight_version")
 
 
 def generate_shard(paths: ShardPaths, lease: Lease, api_key: str, settings: GenerationSettings, *,

@@ -10,73 +10,17 @@ requests (80 // 5 with `extra_buffer` + spec v2; notes/sglang-api.md §3.2).
 from __future__ import annotations
 
 import logging
-import re
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 
-import requests
-
 from dflash_regen.config import FleetConfig
-from dflash_regen.errors import GateFailed
+from dflash_regen.errors import DflashError, GateFailed
 from dflash_regen.fleet import Server
+from dflash_regen.sglang import Allocation, Api, parse_startup_log
+
+__all__ = ["Allocation", "parse_startup_log", "binding_resource", "health_gate", "probe_server"]
 
 log = logging.getLogger(__name__)
-
-KV_LINE = re.compile(r"KV Cache is allocated\. #tokens: (\d+), (?:K size: ([\d.]+) GB, V size: ([\d.]+) GB|"
-                     r"KV size: ([\d.]+) GB)")
-MAMBA_LINE = re.compile(r"Mamba Cache is allocated\. max_mamba_cache_size: (\d+),")
-MAMBA_SIZES = re.compile(r"Mamba Cache is allocated\. max_mamba_cache_size: \d+, conv_state size: ([\d.]+) ?GB, "
-                         r"ssm_state size: ([\d.]+) ?GB(?: intermediate_ssm_state_cache size: ([\d.]+) ?GB "
-                         r"intermediate_conv_window_cache size: ([\d.]+) ?GB)?")
-SCHEDULER_LINE = re.compile(r"max_total_num_tokens=(\d+), chunked_prefill_size=(-?\d+), max_prefill_tokens=(\d+), "
-                            r"max_running_requests=(\d+), context_len=(\d+)")
-
-
-def parse_startup_log(text: str) -> dict:
-    """Allocation figures from SGLang's startup lines (first KV line is the target model's pool)."""
-    found: dict = {}
-    if m := KV_LINE.search(text):
-        found["kv_tokens"] = int(m.group(1))
-        k, v, kv = m.group(2), m.group(3), m.group(4)
-        found["kv_cache_gb"] = round(float(k) + float(v), 2) if k else float(kv)
-    if m := MAMBA_LINE.search(text):
-        found["mamba_slots"] = int(m.group(1))
-    if m := MAMBA_SIZES.search(text):
-        # Memory per Mamba slot and the speculative reserve (sized by --max-running-requests): the capacity
-        # planner uses them to say how many KV tokens other Mamba settings would leave.
-        found["mamba_gb"] = round(float(m.group(1)) + float(m.group(2)), 2)
-        found["mamba_reserve_gb"] = round(float(m.group(3) or 0) + float(m.group(4) or 0), 2)
-    if m := SCHEDULER_LINE.search(text):
-        found["running_slots"] = int(m.group(4))
-        found["context_len"] = int(m.group(5))
-    return found
-
-
-@dataclass
-class Allocation:
-    kv_tokens: int
-    running_slots: int  # what the scheduler will actually run at once (Mamba-capped)
-    max_running_requests: int | None  # the server-args value before the Mamba cap
-    mamba_slots: int | None
-    kv_cache_gb: float | None
-    radix_cache: bool
-    mamba_strategy: str | None
-
-    @classmethod
-    def from_server_info(cls, info: dict) -> Allocation:
-        try:
-            state = info["internal_states"][0]
-            return cls(
-                kv_tokens=int(info["max_total_num_tokens"]),
-                running_slots=int(state["effective_max_running_requests_per_dp"]),
-                max_running_requests=info.get("max_running_requests"),
-                mamba_slots=info.get("max_mamba_cache_size"),
-                kv_cache_gb=(state.get("memory_usage") or {}).get("kvcache"),
-                radix_cache=not info.get("disable_radix_cache", False),
-                mamba_strategy=info.get("mamba_scheduler_strategy"),
-            )
-        except (KeyError, IndexError, TypeError, ValueError) as exc:
-            raise ValueError(f"/server_info lacks allocation field {exc}; is this SGLang >= 0.5.10?") from exc
 
 
 @dataclass
@@ -86,6 +30,7 @@ class ServerHealth:
     healthy: bool
     allocation: dict | None = None
     log_figures: dict = field(default_factory=dict)
+    version: str = ""  # SGLang's own, from /server_info
     kv_request_capacity: int | None = None  # requests of the run's expected size the KV cache could hold
     binding: str = ""
     advice: str = ""
@@ -113,32 +58,32 @@ def binding_resource(alloc: Allocation, request_tokens: int) -> tuple[int, str, 
 
 def probe_server(server: Server, api_key: str, cfg: FleetConfig, timeout_s: float = 30.0) -> ServerHealth:
     result = ServerHealth(server=server.name, url=server.url, healthy=False)
+    api = Api(server.url, api_key, timeout_s=timeout_s)
     try:
-        health = requests.get(f"{server.url}/health", timeout=timeout_s)
-    except requests.RequestException as exc:
-        result.problems.append(f"/health did not answer within {timeout_s:.0f} s ({type(exc).__name__}); "
-                               f"the server is down or wedged; log: {server.log_path}")
+        status = api.health()
+    except DflashError as exc:
+        result.problems.append(f"/health did not answer ({exc}); the server is down or wedged; log: "
+                               f"{server.log_path}")
         return result
-    if health.status_code != 200:
-        result.problems.append(f"/health answered HTTP {health.status_code}: the scheduler did not produce a "
+    if status != 200:
+        result.problems.append(f"/health answered HTTP {status}: the scheduler did not produce a "
                                f"token (SGLang runs a 1-token generation); log: {server.log_path}")
         return result
-    try:
-        info = requests.get(f"{server.url}/server_info", timeout=timeout_s,
-                            headers={"Authorization": f"Bearer {api_key}"})
-        info.raise_for_status()
-        alloc = Allocation.from_server_info(info.json())
-    except (requests.RequestException, ValueError) as exc:
-        result.problems.append(f"/server_info failed: {exc}. It round-trips to the scheduler, so a hang here "
-                               "means the scheduler is stuck")
-        return result
-    result.healthy = True
-    result.allocation = asdict(alloc)
     try:
         with open(server.log_path, errors="replace") as f:
             result.log_figures = parse_startup_log(f.read(4 * 1024 * 1024))
     except FileNotFoundError:
         result.log_figures = {}
+    try:
+        info = api.server_info()
+        alloc = api.allocation(result.log_figures, info)
+    except (DflashError, ValueError) as exc:
+        result.problems.append(f"/server_info failed: {exc}. It round-trips to the scheduler, so a hang here "
+                               "means the scheduler is stuck")
+        return result
+    result.version = api.version(info)
+    result.healthy = True
+    result.allocation = asdict(alloc)
     logged_kv = result.log_figures.get("kv_tokens")
     if logged_kv is not None and logged_kv != alloc.kv_tokens:
         result.problems.append(f"startup log says {logged_kv:,} KV tokens but /server_info says "

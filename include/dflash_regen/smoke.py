@@ -9,15 +9,13 @@ empty answers, reasoning-only answers, truncation (`finish_reason == "length"`) 
 from __future__ import annotations
 
 import logging
-import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
-
-import requests
 
 from dflash_regen.config import SamplingConfig
 from dflash_regen.errors import GateFailed
 from dflash_regen.fleet import Server
+from dflash_regen.sglang import Api, PromptError, TransientError, chat_payload, reasoning_tokens, with_retries
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +90,7 @@ def judge(spec: dict, body: dict, sampling: SamplingConfig) -> str:
     if finish == "length":
         where = "inside its reasoning" if not content and reasoning else "in its answer"
         return (f"ran out of tokens {where}: finish_reason 'length' after {completion} completion tokens "
-                f"({usage.get('reasoning_tokens', 0)} reasoning, {len(content)} chars of content) at "
+                f"({reasoning_tokens(usage)} reasoning, {len(content)} chars of content) at "
                 f"max_tokens={sampling.max_tokens}; raise Param max_tokens (thinking needs >= 4096; 16384 is "
                 "a safe default)")
     if spec.get("expect_tool_call") and not tool_calls:
@@ -112,51 +110,25 @@ def judge(spec: dict, body: dict, sampling: SamplingConfig) -> str:
 def smoke_one(server: Server, api_key: str, prompt: str, spec: dict, sampling: SamplingConfig,
               served_model: str) -> SmokeResult:
     result = SmokeResult(server=server.name, prompt=prompt)
-    payload = {
-        "model": served_model,
-        "messages": spec["messages"],
-        "max_tokens": sampling.max_tokens,
-        "temperature": sampling.temperature,
-        "top_p": sampling.top_p,
-        "top_k": sampling.top_k,
-        "min_p": sampling.min_p,
-        "presence_penalty": sampling.presence_penalty,
-        "seed": 0,
-        "chat_template_kwargs": {"enable_thinking": sampling.enable_thinking},
-    }
-    if "tools" in spec:
-        payload["tools"] = spec["tools"]
+    payload = chat_payload(spec["messages"], spec.get("tools"), sampling, model=served_model,
+                           max_tokens=sampling.max_tokens, seed=0)
+    api = Api(server.url, api_key)
     # A transient 5xx or reset is retried (SGLang answers 503 when its queue is full); a server that keeps
     # failing, or any 4xx, fails the gate.
-    for attempt in range(1, SMOKE_ATTEMPTS + 1):
-        started = time.monotonic()
-        try:
-            resp = requests.post(f"{server.url}/v1/chat/completions", json=payload,
-                                 timeout=sampling.smoke_timeout_s, headers={"Authorization": f"Bearer {api_key}"})
-        except requests.RequestException as exc:
-            result.problem = (f"no answer within {sampling.smoke_timeout_s:.0f} s ({type(exc).__name__}) in "
-                              f"{attempt} attempts; the server is down or wedged; log: {server.log_path}")
-            continue
-        result.latency_s = time.monotonic() - started
-        if resp.status_code >= 500 and attempt < SMOKE_ATTEMPTS:
-            continue
-        break
-    else:
-        return result
-    if resp.status_code != 200:
-        result.problem = f"HTTP {resp.status_code}: {resp.text[:300]}"
-        return result
     try:
-        body = resp.json()
-    except ValueError:
-        result.problem = f"answer is not JSON: {resp.text[:200]!r}"
+        body, result.latency_s = with_retries(lambda: api.chat(payload, sampling.smoke_timeout_s), SMOKE_ATTEMPTS)
+    except TransientError as exc:
+        result.problem = f"{exc} (in {SMOKE_ATTEMPTS} attempts); the server is down or wedged; log: {server.log_path}"
+        return result
+    except PromptError as exc:
+        result.problem = str(exc)
         return result
     choice = (body.get("choices") or [{}])[0]
     message = choice.get("message") or {}
     usage = body.get("usage") or {}
     result.finish_reason = choice.get("finish_reason")
     result.completion_tokens = usage.get("completion_tokens", 0)
-    result.reasoning_tokens = usage.get("reasoning_tokens", 0)
+    result.reasoning_tokens = reasoning_tokens(usage)
     result.content_chars = len(message.get("content") or "")
     result.reasoning_chars = len(message.get("reasoning_content") or message.get("reasoning") or "")
     result.tool_calls = len(message.get("tool_calls") or [])

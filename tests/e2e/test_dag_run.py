@@ -4,12 +4,26 @@ import json
 from pathlib import Path
 
 import pyarrow.parquet as pq
+from conftest import FAST_PROFILE
 from dag_helpers import run_dir_of, states
 from trainer_loaders import load_first_record_decides
 
+from dflash_regen import sglang
+
+
+def assert_ran_in_versions_mode(run_dir: Path, version: str) -> None:
+    """The launcher built that version's argv and env, and health_check found the Mamba binding although
+    /server_info's top-level max_mamba_cache_size is null (the CLI echo) in every version."""
+    health = json.loads((run_dir / "reports" / "health.json").read_text())
+    assert all(s["version"] == version and s["binding"] == "Mamba slots (80 // 5 = 16)" for s in health["servers"])
+    spec = json.loads((run_dir / "fleet" / "server-0.json").read_text())
+    assert sglang.Dialect(version).mamba_strategy_flag in spec["argv"]
+    assert ("SGLANG_ENABLE_SPEC_V2" in spec["env"]) == (version == sglang.OLDEST)
+
 
 def test_demo_dag_runs_green_on_seven_emulated_servers(dag, run_params, no_leftover_servers):
-    conf = run_params(7, shard_size=20)
+    # In the newest supported SGLang's mode (the oldest's: the next test; the default's: every other test).
+    conf = run_params(7, shard_size=20, emulator_profile={**FAST_PROFILE, "sglang_version": sglang.NEWEST_CHECKED})
     dag_run = dag.test(run_conf=conf)
     assert states(dag_run) == {t: "success" for t in ("stage_weights", "launch_fleet", "health_check", "smoke_test",
                                                        "plan_shards", "calibrate", "generate", "tokenize",
@@ -29,6 +43,7 @@ def test_demo_dag_runs_green_on_seven_emulated_servers(dag, run_params, no_lefto
     health = json.loads((run_dir / "reports" / "health.json").read_text())
     smoke = json.loads((run_dir / "reports" / "smoke.json").read_text())
     assert health["passed"] and len(health["servers"]) == 7
+    assert_ran_in_versions_mode(run_dir, sglang.NEWEST_CHECKED)
     capacity = json.loads((run_dir / "reports" / "capacity.json").read_text())
     assert capacity["run"]["prompts"] == plan["accepted"] and capacity["run"]["servers"] == 7
     # At the test profile's 20K tok/s per request the 2-core box itself can saturate first ("compute");
@@ -85,3 +100,12 @@ def test_low_allocation_fails_health_check_and_still_stops_the_fleet(dag, run_pa
     run_dir = run_dir_of(conf, dag_run)
     report = json.loads((run_dir / "reports" / "health.json").read_text())
     assert not report["passed"] and "server 4 (GPU 4" in report["error"]
+
+
+
+def test_whole_dag_is_green_in_the_oldest_supported_sglangs_mode(dag, run_params, no_leftover_servers):
+    conf = run_params(2, shard_size=61, calibration_prompts=0,
+                      emulator_profile={**FAST_PROFILE, "sglang_version": sglang.OLDEST})
+    dag_run = dag.test(run_conf=conf)
+    assert dag_run.state == "success", states(dag_run)
+    assert_ran_in_versions_mode(run_dir_of(conf, dag_run), sglang.OLDEST)

@@ -8,6 +8,7 @@ import pytest
 
 from dflash_regen.emulator import allocation, cli, model, parsers
 from dflash_regen.emulator.faults import EmulatorConfigError, Faults, Profile, load_faults, load_profile
+from dflash_regen.emulator.versions import Forms
 
 COOKBOOK = ["--reasoning-parser", "qwen3", "--tool-call-parser", "qwen3_coder", "--speculative-algorithm", "EAGLE",
             "--speculative-num-steps", "3", "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "4",
@@ -24,8 +25,9 @@ def model_dir(tmp_path_factory):
 
 
 def resolve(model_dir, *flags, env=None):
-    ns = cli.build_parser().parse_args(["--model-path", str(model_dir), *flags])
-    return cli.resolve(ns, env or {})
+    forms = Forms("0.5.10")  # the rules below are 0.5.10's (SGLANG_ENABLE_SPEC_V2 still read)
+    ns = cli.build_parser(forms).parse_args(["--model-path", str(model_dir), *flags])
+    return cli.resolve(ns, env or {}, forms=forms)
 
 
 def allocate(model_dir, *flags, env=None, **overrides):

@@ -53,8 +53,22 @@ def test_running_request_cap_binds_when_mamba_slots_are_plentiful():
     assert "raise --max-running-requests" in advice
 
 
-def test_allocation_reads_sglang_server_info_shape():
-    info = {"max_total_num_tokens": 1_144_000, "max_running_requests": 48, "max_mamba_cache_size": 80,
-            "disable_radix_cache": False, "mamba_scheduler_strategy": "extra_buffer",
-            "internal_states": [{"effective_max_running_requests_per_dp": 16, "memory_usage": {"kvcache": 35.0}}]}
-    assert Allocation.from_server_info(info) == seed_allocation()
+def test_allocation_reads_the_computed_values_not_the_cli_echo():
+    # Real SGLang: top-level fields echo the command line (max_mamba_cache_size null unless passed); the
+    # scheduler's resolved args, with the sized Mamba pool, are internal_states[0].
+    state = {"effective_max_running_requests_per_dp": 16, "memory_usage": {"kvcache": 35.0},
+             "max_running_requests": 48, "max_mamba_cache_size": 80, "disable_radix_cache": False}
+    v0510 = {"max_total_num_tokens": 1_144_000, "max_running_requests": 48, "max_mamba_cache_size": None,
+             "mamba_scheduler_strategy": "extra_buffer",
+             "internal_states": [{**state, "mamba_scheduler_strategy": "extra_buffer"}]}
+    v0523 = {"max_total_num_tokens": 1_144_000, "max_running_requests": 48, "max_mamba_cache_size": None,
+             "internal_states": [{**state, "mamba_radix_cache_strategy": "extra_buffer"}]}
+    assert Allocation.from_server_info(v0510) == seed_allocation()
+    assert Allocation.from_server_info(v0523) == seed_allocation()
+
+
+def test_allocation_takes_mamba_slots_from_the_startup_log_when_the_state_lacks_them():
+    info = {"max_total_num_tokens": 1_144_000, "max_mamba_cache_size": None,
+            "internal_states": [{"effective_max_running_requests_per_dp": 16, "max_running_requests": 48,
+                                 "memory_usage": {"kvcache": 35.0}, "mamba_scheduler_strategy": "extra_buffer"}]}
+    assert Allocation.from_server_info(info, parse_startup_log(SEED_LOG)) == seed_allocation()

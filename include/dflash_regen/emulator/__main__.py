@@ -8,6 +8,7 @@ server with default settings is ready in about a second.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import signal
@@ -15,7 +16,7 @@ import sys
 import threading
 import time
 
-from dflash_regen.emulator import allocation, cli, startup
+from dflash_regen.emulator import allocation, cli, startup, versions
 from dflash_regen.emulator.faults import EmulatorConfigError, gpu_id, load_faults, load_profile
 
 log = logging.getLogger("sglang.srt.entrypoints.engine")
@@ -50,7 +51,12 @@ class _Preload(threading.Thread):
 def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _exit_quietly)
     signal.signal(signal.SIGINT, _exit_quietly)
-    ns = cli.build_parser().parse_args(argv)
+    forms = versions.Forms(versions.emulated_version())
+    try:
+        forms.at_least(versions.DEFAULT_VERSION)
+    except ValueError:
+        forms = versions.Forms(versions.DEFAULT_VERSION)  # load_profile below names the bad value
+    ns = cli.build_parser(forms).parse_args(argv)
     configure_logging(ns.log_level)
     env = dict(os.environ)
     try:
@@ -62,7 +68,8 @@ def main(argv: list[str] | None = None) -> int:
     preload = _Preload()
     preload.start()
 
-    args, model_config = cli.resolve(ns, env, gpu_memory_gb=profile.gpu_memory_gb)
+    args, model_config = cli.resolve(ns, env, gpu_memory_gb=profile.gpu_memory_gb, forms=forms)
+    launch_args = dataclasses.replace(args)  # /server_info's top level: before the model runner writes back
     log.info(f"server_args={args.redacted_repr()}")
     gpu = gpu_id(env)
     if faults.describe() != "none":
@@ -72,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
                                kv_tokens_override=faults.kv_tokens, mamba_slots_override=faults.max_mamba_slots)
     if alloc.mamba_slots is not None:
         args.max_mamba_cache_size = alloc.mamba_slots  # SGLang's model runner writes the sized value back
-    timings = startup.load_model(args, model_config, alloc, faults, profile)
+    timings = startup.load_model(args, model_config, alloc, faults, profile, forms)
 
     preload.join()
     if preload.error is not None:
@@ -89,7 +96,8 @@ def main(argv: list[str] | None = None) -> int:
              accept_length=profile.accept_length, saturation_tokens_per_s=profile.saturation_tokens_per_s,
              decode_log_every_s=2.0 * max(args.decode_log_interval, 1) / 40),
         seed=sum(gpu.encode()))
-    emu = Emulator(args=args, model=model_config, alloc=alloc, faults=faults, profile=profile, gpu=gpu,
+    emu = Emulator(args=args, launch_args=launch_args, forms=forms, model=model_config, alloc=alloc, faults=faults,
+                   profile=profile, gpu=gpu,
                    scheduler=scheduler, load_weights_s=timings["load_weights_s"],
                    startup_s=time.monotonic() - started)
     serve(emu)

@@ -1,4 +1,4 @@
-"""SGLang 0.5.10's launch flags and the `ServerArgs.__post_init__` rules that matter for Qwen3.6.
+"""SGLang's launch flags (per emulated version) and the `ServerArgs.__post_init__` rules that matter for Qwen3.6.
 
 `build_parser()` accepts SGLang's flag names, defaults and choices (argparse's own exit 2 on anything
 else); `resolve()` applies the rules that change what a server does — NEXTN is EAGLE, speculative decoding
@@ -18,6 +18,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dflash_regen.emulator import allocation
+from dflash_regen.emulator.versions import DEFAULT_VERSION, Forms
+
+DEFAULT_FORMS = Forms(DEFAULT_VERSION)
 
 log = logging.getLogger("sglang.srt.server_args")
 
@@ -29,6 +32,7 @@ TOOL_CALL_PARSERS = ["deepseekv3", "deepseekv31", "deepseekv32", "glm", "glm45",
                      "step3p5", "minimax-m2", "trinity", "interns1", "hermes", "gigachat3"]
 SPECULATIVE_ALGORITHMS = ["EAGLE", "EAGLE3", "NEXTN", "STANDALONE", "NGRAM"]
 MAMBA_STRATEGIES = ["auto", "no_buffer", "extra_buffer"]
+MAMBA_STRATEGIES_0514 = [*MAMBA_STRATEGIES, "extra_buffer_lazy"]
 DTYPES = ["auto", "half", "float16", "bfloat16", "float", "float32"]
 KV_CACHE_DTYPES = ["auto", "fp8_e5m2", "fp8_e4m3", "bf16", "bfloat16", "fp4_e2m1"]
 HYBRID_ARCHS = {"Qwen3NextForCausalLM", "Qwen3_5MoeForConditionalGeneration", "Qwen3_5ForConditionalGeneration"}
@@ -46,9 +50,10 @@ def human_readable_int(value: str) -> int:
         raise argparse.ArgumentTypeError(f"invalid int value: {value!r}") from exc
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(forms: Forms = DEFAULT_FORMS) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m dflash_regen.emulator",
-                                description="SGLang 0.5.10 server emulator (same flags as sglang.launch_server)")
+                                description=f"SGLang {forms.version} server emulator (same flags as "
+                                            "sglang.launch_server)")
     p.add_argument("--model-path", "--model", dest="model_path", type=str, required=True)
     p.add_argument("--tokenizer-path", type=str, default=None)
     p.add_argument("--host", type=str, default="127.0.0.1")
@@ -64,7 +69,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-prefill-tokens", type=int, default=16384)
     p.add_argument("--chunked-prefill-size", type=int, default=None)
     p.add_argument("--max-mamba-cache-size", type=int, default=None)
-    p.add_argument("--mamba-scheduler-strategy", type=str, choices=MAMBA_STRATEGIES, default="auto")
+    if forms.radix_cache_strategy_flag:  # renamed in 0.5.14; the old name an alias until 0.5.20
+        names = ["--mamba-radix-cache-strategy"] + (["--mamba-scheduler-strategy"]
+                                                    if forms.scheduler_strategy_alias else [])
+        p.add_argument(*names, dest="mamba_scheduler_strategy", type=str, choices=MAMBA_STRATEGIES_0514,
+                       default="auto")
+    else:
+        p.add_argument("--mamba-scheduler-strategy", type=str, choices=MAMBA_STRATEGIES, default="auto")
     p.add_argument("--mamba-full-memory-ratio", type=float, default=0.9)
     p.add_argument("--mamba-track-interval", type=int, default=256)
     p.add_argument("--mem-fraction-static", type=float, default=None)
@@ -91,7 +102,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--skip-server-warmup", action="store_true")
     p.add_argument("--watchdog-timeout", type=float, default=300)
     p.add_argument("--attention-backend", type=str, default=None)
-    p.add_argument("--cuda-graph-max-bs", type=int, default=None)
+    graph_bs = ["--cuda-graph-max-bs"] if forms.cuda_graph_max_bs_flag else []
+    graph_bs += ["--cuda-graph-max-bs-decode"] if forms.radix_cache_strategy_flag else []
+    p.add_argument(*graph_bs, dest="cuda_graph_max_bs", type=int, default=None)
     p.add_argument("--disable-cuda-graph", action="store_true")
     p.add_argument("--trust-remote-code", action="store_true")
     p.add_argument("--dtype", type=str, choices=DTYPES, default="auto")
@@ -157,7 +170,15 @@ class ServerArgs:
         return repr(shown)
 
     def enable_mamba_extra_buffer(self) -> bool:
-        return self.mamba_scheduler_strategy == "extra_buffer"
+        return self.mamba_scheduler_strategy in ("extra_buffer", "extra_buffer_lazy")
+
+    def as_dict(self, forms: Forms) -> dict:
+        """The fields as this version's `/server_info` names them."""
+        d = dataclasses.asdict(self)
+        if forms.radix_cache_strategy_flag:
+            d["mamba_radix_cache_strategy"] = d.pop("mamba_scheduler_strategy")
+            d["cuda_graph_max_bs_decode"] = d.pop("cuda_graph_max_bs")
+        return d
 
     @property
     def speculative(self) -> bool:
@@ -208,9 +229,12 @@ def _truthy(value: str | None) -> bool:
 
 
 def resolve(ns: argparse.Namespace, env: dict[str, str] | None = None, *,
-            gpu_memory_gb: float = allocation.DEFAULT_GPU_MEMORY_GB) -> tuple[ServerArgs, ModelConfig]:
+            gpu_memory_gb: float = allocation.DEFAULT_GPU_MEMORY_GB,
+            forms: Forms = DEFAULT_FORMS) -> tuple[ServerArgs, ModelConfig]:
     """Build ServerArgs from parsed flags and apply SGLang's post-init rules (logging its warnings)."""
     env = dict(os.environ if env is None else env)
+    if not forms.reads_spec_v2_env:
+        env["SGLANG_ENABLE_SPEC_V2"] = "1"  # 0.5.14+: spec v2 always on; the variable is no longer read
     args = ServerArgs(**vars(ns))
     if args.served_model_name is None:
         args.served_model_name = args.model_path

@@ -56,6 +56,7 @@ class Profile:
     gpu_memory_gb: float = 183.0
     startup_s: float = 0.3  # simulated load + graph-capture time before the HTTP front comes up
     preset: str | None = None  # the named profile these values started from (PRESETS), if any
+    sglang_version: str | None = None  # the SGLang version to emulate (versions.DEFAULT_VERSION when unset)
 
 
 # Profiles fitted to SGLang's published Qwen3.6-27B figures (cookbook `qwen3.6-benchmarks.jsx`, TP=1, BF16, MTP
@@ -168,6 +169,16 @@ def load_profile(env: dict[str, str]) -> Profile:
         raise EmulatorConfigError(f"{PROFILE_VAR}: key 'preset' = {preset!r} is invalid: known presets are "
                                   f"{', '.join(PRESETS)}")
     profile = _build(Profile, PROFILE_VAR, "", {**PRESETS.get(preset, {}), **raw})
+    if profile.sglang_version is not None:
+        from dflash_regen.emulator.versions import SUPPORTED, _key
+
+        try:
+            key = _key(profile.sglang_version)
+        except ValueError as exc:
+            raise EmulatorConfigError(f"{PROFILE_VAR}: key 'sglang_version' is invalid: {exc}") from exc
+        if not _key(SUPPORTED[0]) <= key:
+            raise EmulatorConfigError(f"{PROFILE_VAR}: key 'sglang_version' = {profile.sglang_version!r} is invalid: "
+                                      f"the emulator emulates {SUPPORTED[0]} and later")
     if profile.saturation_tokens_per_s and profile.saturation_tokens_per_s < profile.decode_tokens_per_s:
         raise EmulatorConfigError(f"{PROFILE_VAR}: key 'saturation_tokens_per_s' = {profile.saturation_tokens_per_s:g}"
                                   f" is invalid: must be 0 (no ceiling) or >= decode_tokens_per_s "

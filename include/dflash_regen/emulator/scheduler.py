@@ -45,6 +45,7 @@ class Req:
     output: list[int]  # every token the request will produce (already cut at max_new_tokens)
     max_new_tokens: int | None = None
     counted: bool = True  # False for health checks: no metrics
+    streaming: bool = False  # metrics split by is_streaming (SGLang 0.5.18+)
     emitted: int = 0
     state: str = "waiting"  # waiting -> running -> finished | aborted
     queued_at: float = field(default_factory=time.monotonic)
@@ -122,6 +123,8 @@ class Scheduler:
         self.spec_steps = 0
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
+        self.streamed_prompt_tokens_total = 0  # the streaming requests' share of the two counters
+        self.streamed_generation_tokens_total = 0
         self.num_requests_total = 0
         self.num_aborted_requests_total = 0
         self._rng = random.Random(seed)
@@ -245,6 +248,7 @@ class Scheduler:
             req.first_token_at = now
             if req.counted:
                 self.prompt_tokens_total += req.prompt_tokens
+                self.streamed_prompt_tokens_total += req.prompt_tokens if req.streaming else 0
         self._pending_prefill[0] += len(admitted)
         self._pending_prefill[1] += tokens
         self._last_prefill_at = now
@@ -272,6 +276,7 @@ class Scheduler:
             self._tokens_since_log += n
             if req.counted:
                 self.generation_tokens_total += n
+                self.streamed_generation_tokens_total += n if req.streaming else 0
         self.last_output_at = now
         self.last_output_wall = time.time()
         if req.emitted >= len(req.output):

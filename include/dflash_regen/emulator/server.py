@@ -1,4 +1,5 @@
-"""The HTTP front: SGLang 0.5.10's endpoints and JSON shapes (notes/sglang-api.md §2) over the emulated
+"""The HTTP front: SGLang's endpoints and JSON shapes in the emulated version's forms (`versions.Forms`;
+notes/sglang-api.md §2) over the emulated
 scheduler and model, with API-key auth, SGLang's flat error bodies, SSE streaming, and the faults.
 """
 
@@ -14,7 +15,7 @@ import secrets
 import signal
 import time
 import uuid
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Literal
 
 import uvicorn
@@ -28,11 +29,12 @@ from dflash_regen.emulator.allocation import Allocation
 from dflash_regen.emulator.cli import ModelConfig, ServerArgs, context_len
 from dflash_regen.emulator.faults import Faults, Profile
 from dflash_regen.emulator.scheduler import QueueFull, Req, Scheduler
+from dflash_regen.emulator.versions import Forms
 
 log = logging.getLogger("sglang.srt.entrypoints.http_server")
 
-VERSION = "0.5.10"
 HEALTH_POLL_S = 0.02  # SGLang polls every 1 s; the emulator answers sooner so test fleets get ready fast
+SPLIT_BY_STREAMING = {"prompt_tokens_total", "generation_tokens_total"}
 AUTH_EXEMPT_PREFIXES = ("/health", "/metrics")
 AUTH_EXEMPT_PATHS = {"/ping"}
 WARMUP_PROMPT = "The capital city of France is"
@@ -113,7 +115,9 @@ def validation_error(errors: list[dict]) -> JSONResponse:
 class Emulator:
     """Everything the routes share: resolved config, allocation, faults, scheduler, lifecycle status."""
 
-    args: ServerArgs
+    args: ServerArgs  # as the scheduler sees them (the model runner wrote the sized Mamba slots back)
+    launch_args: ServerArgs  # as resolved from the command line: /server_info's top level echoes these
+    forms: Forms
     model: ModelConfig
     alloc: Allocation
     faults: Faults
@@ -142,7 +146,7 @@ class Emulator:
         return max_req_len - 5
 
     def server_args_dict(self) -> dict:
-        return asdict(self.args)
+        return self.args.as_dict(self.forms)
 
 
 class ApiKeyAuth:
@@ -333,8 +337,9 @@ async def _server_info(emu: Emulator, request: Request):
     }
     if emu.scheduler.avg_spec_accept_length is not None:
         state["avg_spec_accept_length"] = emu.scheduler.avg_spec_accept_length
-    return {**emu.server_args_dict(), "status": "ready", "max_total_num_tokens": alloc.max_total_num_tokens,
-            "max_req_input_len": emu.max_req_input_len, "internal_states": [state], "version": VERSION}
+    return {**emu.launch_args.as_dict(emu.forms), "status": "ready",
+            "max_total_num_tokens": alloc.max_total_num_tokens, "max_req_input_len": emu.max_req_input_len,
+            "internal_states": [state], "version": emu.forms.version}
 
 
 def _metrics_text(emu: Emulator) -> str:
@@ -376,8 +381,14 @@ def _metrics_text(emu: Emulator) -> str:
         lines += [f"# HELP sglang:{name} {help_text}", f"# TYPE sglang:{name} gauge",
                   f"sglang:{name}{{{labels}}} {float(value)}"]
     for name, help_text, value in counters:
-        lines += [f"# HELP sglang:{name} {help_text}", f"# TYPE sglang:{name} counter",
-                  f"sglang:{name}{{{tokenizer_labels}}} {float(value)}"]
+        lines += [f"# HELP sglang:{name} {help_text}", f"# TYPE sglang:{name} counter"]
+        if emu.forms.is_streaming_label and name in SPLIT_BY_STREAMING:
+            # 0.5.18+: one series per is_streaming value (the warm-up is a non-streaming request)
+            streamed = getattr(sched, f"streamed_{name}", 0)
+            lines += [f'sglang:{name}{{{tokenizer_labels},is_streaming="true"}} {float(streamed)}',
+                      f'sglang:{name}{{{tokenizer_labels},is_streaming="false"}} {float(value - streamed)}']
+        else:
+            lines.append(f"sglang:{name}{{{tokenizer_labels}}} {float(value)}")
     return "\n".join(lines) + "\n"
 
 
@@ -482,7 +493,8 @@ async def _chat(emu: Emulator, request: Request):
         messages=messages, tools=tools, tool_choice=req.tool_choice, seed=req.seed, enable_thinking=enable_thinking,
         loop=_loops(emu, messages, req.seed), empty_content=emu.faults.empty_content,
     ), emu.profile, limit=max_new if max_new is not None else max(ctx - prompt_tokens - 1, 0))
-    sreq = Req(rid=uuid.uuid4().hex, prompt_tokens=prompt_tokens, output=gen.token_ids, max_new_tokens=max_new)
+    sreq = Req(rid=uuid.uuid4().hex, prompt_tokens=prompt_tokens, output=gen.token_ids, max_new_tokens=max_new,
+               streaming=req.stream)
     try:
         emu.scheduler.submit(sreq)
     except QueueFull as exc:
@@ -537,8 +549,11 @@ class _Answer:
             end = self.gen.think_end_index
             reasoning = end + 1 if end is not None and end < len(ids) else len(ids)
         prompt = self.sreq.prompt_tokens
-        return {"prompt_tokens": prompt, "total_tokens": prompt + len(ids), "completion_tokens": len(ids),
-                "prompt_tokens_details": None, "reasoning_tokens": reasoning}
+        usage = {"prompt_tokens": prompt, "total_tokens": prompt + len(ids), "completion_tokens": len(ids),
+                 "prompt_tokens_details": None, "reasoning_tokens": reasoning}
+        if self.emu.forms.completion_tokens_details:
+            usage["completion_tokens_details"] = {"reasoning_tokens": reasoning} if reasoning else None
+        return usage
 
     @staticmethod
     def _text(ids: list[int]) -> str:
@@ -558,8 +573,11 @@ class _Answer:
                 tool_calls = [c.as_json() for c in calls]
                 if finish == "stop":
                     finish, matched = "tool_calls", None
-        message = {"role": "assistant", "content": content or None, "reasoning_content": reasoning or None,
+        empty = "" if self.emu.forms.empty_content_is_string else None
+        message = {"role": "assistant", "content": content or empty, "reasoning_content": reasoning or None,
                    "tool_calls": tool_calls}
+        if tool_calls is None and self.emu.forms.omits_null_tool_calls:
+            del message["tool_calls"]
         return {"id": self.sreq.rid, "object": "chat.completion", "created": self.created, "model": self.req.model,
                 "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": finish,
                              "matched_stop": matched}],

@@ -1,6 +1,6 @@
-"""SGLang 0.5.10's model-loading sequence as log lines (notes/sglang-api.md §3), paced by the profile's
-`startup_s`, with the start-time faults: a slow weight load (`start_delay_s`) and a CUDA out-of-memory
-crash during graph capture (`crash_at_start`).
+"""SGLang's model-loading sequence as log lines in the emulated version's forms (notes/sglang-api.md §3),
+paced by the profile's `startup_s`, with the start-time faults: a slow weight load (`start_delay_s`) and a
+CUDA out-of-memory crash during graph capture (`crash_at_start`).
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import time
 from dflash_regen.emulator.allocation import Allocation
 from dflash_regen.emulator.cli import ModelConfig, ServerArgs
 from dflash_regen.emulator.faults import Faults, Profile
+from dflash_regen.emulator.versions import Forms
 
 log = logging.getLogger("sglang.srt.model_executor.model_runner")
 
@@ -66,7 +67,7 @@ def capture_cuda_graphs(alloc: Allocation, faults: Faults) -> None:
 
 
 def load_model(args: ServerArgs, model: ModelConfig, alloc: Allocation, faults: Faults,
-               profile: Profile) -> dict[str, float]:
+               profile: Profile, forms: Forms) -> dict[str, float]:
     """Log the loading sequence (sleeping through it); returns timings for the metrics."""
     clock = _Clock(profile.startup_s)
     total = alloc.gpu_memory_gb
@@ -90,7 +91,8 @@ def load_model(args: ServerArgs, model: ModelConfig, alloc: Allocation, faults: 
             msg += (f"intermediate_ssm_state_cache size: {alloc.intermediate_ssm_gb:.2f}GB "
                     f"intermediate_conv_window_cache size: {alloc.intermediate_conv_gb:.2f}GB ")
         log.info(msg)
-    log.info(f"KV Cache is allocated. #tokens: {alloc.max_total_num_tokens}, K size: {alloc.k_size_gb:.2f} GB, "
+    dtype = f"dtype: {_kv_dtype(args)}, " if forms.kv_line_dtype else ""
+    log.info(f"KV Cache is allocated. {dtype}#tokens: {alloc.max_total_num_tokens}, K size: {alloc.k_size_gb:.2f} GB, "
              f"V size: {alloc.v_size_gb:.2f} GB")
     for warning in alloc.warnings:
         log.warning(warning)
@@ -112,8 +114,8 @@ def load_model(args: ServerArgs, model: ModelConfig, alloc: Allocation, faults: 
         log.info(f"Load weight end. elapsed={took:.2f} s, type={DRAFT_ARCH}, avail mem={avail:.2f} GB, "
                  f"mem usage={alloc.draft_weights_gb:.2f} GB.")
         draft_kv = alloc.kv_cache_gb / 16  # one attention layer instead of the target's sixteen
-        log.info(f"KV Cache is allocated. #tokens: {alloc.max_total_num_tokens}, K size: {draft_kv / 2:.2f} GB, "
-                 f"V size: {draft_kv / 2:.2f} GB")
+        log.info(f"KV Cache is allocated. {dtype}#tokens: {alloc.max_total_num_tokens}, "
+                 f"K size: {draft_kv / 2:.2f} GB, V size: {draft_kv / 2:.2f} GB")
         avail -= draft_kv
         for what in ("draft", "draft extend"):
             log.info(f"Capture {what} cuda graph begin. This can take up to several minutes. avail mem={avail:.2f} GB")
@@ -123,6 +125,12 @@ def load_model(args: ServerArgs, model: ModelConfig, alloc: Allocation, faults: 
                      f"avail mem={avail:.2f} GB.")
     clock.spend(0.05)
     context = args.context_length or model.max_position_embeddings
+    if forms.logs_mamba_cap and alloc.mamba_slots and alloc.mamba_ratio and \
+            alloc.effective_max_running_requests == alloc.mamba_slots // alloc.mamba_ratio:
+        log.warning(f"max_running_requests is capped to {alloc.effective_max_running_requests} by the mamba state "
+                    f"cache (max_mamba_cache_size={alloc.mamba_slots}, {alloc.mamba_ratio} state slots per "
+                    "request). To raise it: increase --mamba-full-memory-ratio or --max-mamba-cache-size, or halve "
+                    "the state size with --mamba-ssm-dtype bfloat16.")
     log.info(f"max_total_num_tokens={alloc.max_total_num_tokens}, chunked_prefill_size={args.chunked_prefill_size}, "
              f"max_prefill_tokens={args.max_prefill_tokens}, max_running_requests="
              f"{alloc.effective_max_running_requests}, context_len={context}, available_gpu_mem={avail:.2f} GB")

@@ -1,0 +1,216 @@
+"""The SGLang boundary judged by SGLang's own code, for the oldest and the newest supported version.
+
+For each version the wheel is downloaded (`pip download --no-deps`, cached in ~/.cache/dflash-regen/sglang)
+and a judge process imports its `ServerArgs.add_cli_args`, `protocol.py` models, `qwen3` reasoning parser and
+`qwen3_coder` tool parser (stand-ins for the GPU stack: see judge.py). Then:
+- the pipeline's exact launch argv (cookbook flags, alone and with the capacity planner's advised flags)
+  must parse with that version's parser, and an argv with a flag the version lacks must not;
+- the emulator, in that version's mode and launched by the pipeline's launcher, must answer with bodies
+  that validate against that version's models and carry no field they lack;
+- SGLang's parsers, run on the emulator's raw generated text, must give what the emulator returned.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+import requests
+from conftest import FAST_PROFILE, free_port_block
+from wheels import VERSIONS, Judge
+
+from dflash_regen import fleet, sglang
+from dflash_regen.config import DEFAULTS, RunConfig
+from dflash_regen.smoke import PROMPTS
+
+# One xdist worker runs them all, so each version's judge and emulated server start once (module fixtures).
+pytestmark = pytest.mark.xdist_group("sglang_contract")
+
+ADVISED = "--max-mamba-cache-size 160 --max-running-requests 32"  # the capacity planner's advice on the seed node
+
+
+@pytest.fixture(scope="module", params=VERSIONS)
+def version(request) -> str:
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def judge(version):
+    started = time.monotonic()
+    j = Judge(version)
+    j.ask("flags")  # imports SGLang: the first answer is the slow one
+    j.import_s = time.monotonic() - started
+    yield j
+    j.close()
+
+
+@pytest.fixture(scope="module")
+def emulated(version, tmp_path_factory):
+    """One emulated server in `version`'s mode, launched by `fleet.launch_fleet` (the pipeline's argv)."""
+    from dflash_regen.demo_model import write_demo_model
+
+    root = tmp_path_factory.mktemp(f"contract-{version}")
+    cfg = RunConfig.from_params(params(root, version, "emulator"), f"contract-{version}")
+    servers = fleet.launch_fleet(cfg.fleet, write_demo_model(root / "model"), cfg.fleet_dir)
+    try:
+        yield Server(servers[0].url, fleet.read_api_key(cfg.fleet_dir), servers[0], cfg)
+    finally:
+        fleet.stop_fleet(cfg.fleet_dir)
+
+
+def params(root, version: str, command: str, server_flags: str = "") -> dict:
+    return {**DEFAULTS, "server_command": command, "num_servers": 1, "base_port": free_port_block(1),
+            "output_root": str(root / "out"), "staging_dir": str(root / "model"), "ready_timeout_s": 60.0,
+            "server_flags": server_flags, "emulator_profile": {**FAST_PROFILE, "sglang_version": version},
+            "emulator_faults": {}}
+
+
+class Server:
+    def __init__(self, url: str, key: str, launched: fleet.Server, cfg: RunConfig):
+        self.url, self.key, self.launched, self.cfg = url, key, launched, cfg
+
+    def post(self, body: dict, **kw) -> requests.Response:
+        return requests.post(f"{self.url}/v1/chat/completions", json=body, timeout=60,
+                             headers={"Authorization": f"Bearer {self.key}"}, **kw)
+
+    def get(self, path: str, auth: bool = True) -> requests.Response:
+        return requests.get(self.url + path, timeout=30, headers={"Authorization": f"Bearer {self.key}"} if auth
+                            else {})
+
+
+def conforms(emulated, judged, path: str = "$") -> None:
+    """Every field the emulator sent is a field of SGLang's model, with the value SGLang's model keeps."""
+    if isinstance(emulated, dict):
+        assert isinstance(judged, dict), f"{path}: an object where SGLang's model has {judged!r}"
+        for key, value in emulated.items():
+            assert key in judged, f"{path}.{key}: not a field of SGLang's model ({sorted(judged)})"
+            conforms(value, judged[key], f"{path}.{key}")
+    elif isinstance(emulated, list):
+        assert isinstance(judged, list) and len(emulated) == len(judged), path
+        for i, (a, b) in enumerate(zip(emulated, judged, strict=True)):
+            conforms(a, b, f"{path}[{i}]")
+    else:
+        assert emulated == judged, f"{path}: emulator {emulated!r}, SGLang's model {judged!r}"
+
+
+def valid(judge: Judge, model: str, body: dict) -> dict:
+    verdict = judge.ask("validate", model=model, data=body)
+    assert verdict["ok"], f"SGLang {judge.version} {model} rejects the emulator's body: {verdict['error']}"
+    conforms(body, verdict["dump"])
+    return verdict
+
+
+# ---------------------------------------------------------------------------------------------- argv
+@pytest.mark.parametrize("server_flags", ["", ADVISED], ids=["cookbook", "cookbook+advised"])
+def test_the_pipelines_argv_parses_with_sglangs_own_parser(judge, version, tmp_path, server_flags):
+    cfg = RunConfig.from_params(params(tmp_path, version, f"{sys.executable} -m sglang.launch_server",
+                                       server_flags), "argv")
+    [server] = fleet.plan_servers(cfg.fleet, tmp_path / "model", tmp_path, "key", sglang.Dialect(version))
+    parsed = judge.ask("parse_argv", argv=server.argv[3:])
+    assert parsed["exit"] == 0, parsed["stderr"]
+    args = parsed["args"]
+    strategy = args.get("mamba_radix_cache_strategy") or args.get("mamba_scheduler_strategy")
+    assert (strategy, args["speculative_algorithm"], args["reasoning_parser"], args["tool_call_parser"]) == \
+        ("extra_buffer", "EAGLE", "qwen3", "qwen3_coder")
+    if server_flags:
+        assert (args["max_mamba_cache_size"], args["max_running_requests"]) == (160, 32)
+    # The environment: SGLANG_ENABLE_SPEC_V2 is set exactly where the version still reads it.
+    env = sglang.Dialect(version).launch_env(dict(cfg.fleet.env))
+    read = judge.ask("source_contains", path="sglang/srt/environ.py", text="SGLANG_ENABLE_SPEC_V2")["found"]
+    assert ("SGLANG_ENABLE_SPEC_V2" in env) == read
+
+
+def test_the_argv_check_fails_on_a_flag_the_version_lacks(judge, version, tmp_path):
+    other = "--mamba-radix-cache-strategy" if version == sglang.OLDEST else "--mamba-scheduler-strategy"
+    argv = ["--model-path", str(tmp_path), other, "extra_buffer"]
+    parsed = judge.ask("parse_argv", argv=argv)
+    assert parsed["exit"] == 2 and f"unrecognized arguments: {other}" in parsed["stderr"]
+    # The emulator in that version's mode refuses it the same way.
+    env = {"DFLASH_EMU_PROFILE": json.dumps({"sglang_version": version}), "PATH": "/usr/bin:/bin"}
+    done = subprocess.run([sys.executable, "-m", "dflash_regen.emulator", *argv], capture_output=True, text=True,
+                          env=env, timeout=60, check=False)
+    assert done.returncode == 2 and f"unrecognized arguments: {other}" in done.stderr
+
+
+# ------------------------------------------------------------------------------------------ responses
+def test_non_streaming_answers_validate_against_sglangs_models(judge, version, emulated):
+    coding = emulated.post({"model": "qwen3.6-27b", "messages": PROMPTS["coding"]["messages"], "seed": 1}).json()
+    valid(judge, "ChatCompletionResponse", coding)
+    assert coding["choices"][0]["message"]["reasoning_content"] and coding["usage"]["reasoning_tokens"] > 0
+    tool = emulated.post({"model": "m", "seed": 2, **{k: v for k, v in PROMPTS["tool_call"].items()
+                                                      if k in ("messages", "tools")}}).json()
+    valid(judge, "ChatCompletionResponse", tool)
+    assert tool["choices"][0]["finish_reason"] == "tool_calls" and tool["choices"][0]["message"]["tool_calls"]
+    cut = emulated.post({"model": "m", "messages": PROMPTS["coding"]["messages"], "max_tokens": 64}).json()
+    valid(judge, "ChatCompletionResponse", cut)
+    choice, usage = cut["choices"][0], cut["usage"]
+    assert choice["finish_reason"] == "length" and usage["reasoning_tokens"] == usage["completion_tokens"] == 64
+    # Each version's own forms: empty content, and where reasoning tokens are also reported.
+    assert choice["message"]["content"] == (None if version == sglang.OLDEST else "")
+    assert ("completion_tokens_details" in usage) == (version != sglang.OLDEST)
+
+
+def test_every_sse_chunk_validates_including_the_usage_chunk(judge, emulated):
+    body = {"model": "m", "seed": 3, "stream": True, "stream_options": {"include_usage": True},
+            **{k: v for k, v in PROMPTS["tool_call"].items() if k in ("messages", "tools")}}
+    with emulated.post(body, stream=True) as resp:
+        lines = [line for line in resp.iter_lines() if line]
+    assert lines[-1] == b"data: [DONE]"
+    chunks = [json.loads(line[len(b"data: "):]) for line in lines[:-1]]
+    for chunk in chunks:
+        valid(judge, "ChatCompletionStreamResponse", chunk)
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] > 0
+    assert chunks[-2]["choices"][0]["finish_reason"] == "tool_calls"
+
+
+def test_error_bodies_and_the_model_list_are_sglangs(judge, emulated):
+    bad = emulated.post({"model": "m", "messages": []})
+    assert bad.status_code == 400
+    valid(judge, "ErrorResponse", bad.json())
+    unauthorized = requests.get(f"{emulated.url}/v1/models", timeout=30)
+    assert unauthorized.status_code == 401 and unauthorized.json() == {"error": "Unauthorized"}
+    assert judge.ask("source_contains", path="sglang/srt/utils/auth.py", text='"Unauthorized"')["found"]
+    missing = emulated.get("/v1/models/no-such-model")
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
+    assert judge.ask("source_contains", path="sglang/srt/entrypoints/http_server.py",
+                     text='"code": "model_not_found"')["found"]
+    valid(judge, "ModelList", emulated.get("/v1/models").json())
+
+
+def test_health_check_names_the_mamba_binding_although_the_top_level_is_null(version, emulated):
+    from dflash_regen import probes
+
+    info = emulated.get("/server_info").json()
+    assert info["version"] == version and info["max_mamba_cache_size"] is None  # the CLI echo, as SGLang's
+    health = probes.probe_server(emulated.launched, emulated.key, emulated.cfg.fleet)
+    assert health.healthy and health.version == version
+    assert health.allocation["mamba_slots"] == 80 and health.allocation["running_slots"] == 16
+    assert health.binding == "Mamba slots (80 // 5 = 16)"
+    assert "--max-mamba-cache-size 160 --max-running-requests 32" in health.advice
+
+
+# ------------------------------------------------------------------------------------------ parsers
+@pytest.mark.parametrize("prompt", ["coding", "tool_call"])
+def test_sglangs_parsers_on_the_raw_text_give_what_the_emulator_returned(judge, version, emulated, prompt):
+    from dflash_regen.emulator import model as emulated_model
+    from dflash_regen.emulator.faults import load_profile
+
+    spec = PROMPTS[prompt]
+    tools = spec.get("tools")
+    gen = emulated_model.generate(emulated_model.ModelInput(messages=spec["messages"], tools=tools, seed=7),
+                                  load_profile({"DFLASH_EMU_PROFILE": json.dumps(FAST_PROFILE)}), limit=16384)
+    raw = emulated_model.decode([i for i in gen.token_ids if i != emulated_model.IM_END])
+    answer = emulated.post({"model": "m", "messages": spec["messages"], "seed": 7, "max_tokens": 16384,
+                            **({"tools": tools} if tools else {})}).json()["choices"][0]["message"]
+    split = judge.ask("reasoning", text=raw, force=True)
+    assert answer["reasoning_content"] == split["reasoning"]
+    content = split["content"]
+    if tools:
+        parsed = judge.ask("tools", text=content, tools=tools)
+        content = parsed["content"]
+        assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in answer["tool_calls"]] == \
+            [(c["name"], c["arguments"]) for c in parsed["calls"]] != []
+    assert (answer["content"] or "") == (content or "").strip()
