@@ -554,3 +554,18 @@ def test_loop_repeats_one_sentence_until_max_tokens(launch):
     assert choice["message"]["content"] is None and reasoning.count("Wait, let me re-check that step again") > 100
     other = emu.chat({**PRIME, "max_tokens": 8192, "messages": [{"role": "user", "content": "Say hi."}]}).json()
     assert other["choices"][0]["finish_reason"] == "stop"
+
+
+def test_any_prompt_text_gets_an_answer_over_http_streamed_and_not(cookbook):
+    # Braces and format specs once made the answer generator raise (HTTP 500 for every such prompt).
+    for i, text in enumerate(["{", "unmatched '{' in {format} spec {0:>{w}} %s", '{"type": "object"}', "}{",
+                              "\ud800 lone surrogate", "\u202e\u200b e\u0301 \U0001F600 日本語？", "<think></think>"]):
+        body = {**PRIME, "max_tokens": 300, "seed": i, "messages": [{"role": "user", "content": text}],
+                **({"tools": [WEATHER_TOOL]} if i % 2 else {})}
+        resp = cookbook.chat(body)
+        assert resp.status_code == 200, (text, resp.text)
+        assert resp.json()["choices"][0]["finish_reason"] in {"stop", "length", "tool_calls"}
+        with cookbook.chat({**body, "stream": True}, stream=True) as streamed:
+            events = sse_events(streamed)
+        assert events[-1] == "[DONE]" and any(e["choices"][0]["finish_reason"] for e in events[:-1]
+                                              if e["choices"]), text
