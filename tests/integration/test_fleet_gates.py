@@ -41,6 +41,18 @@ def test_one_server_with_low_allocation_fails_health_naming_only_it(launch):
     assert "server 2 " not in msg and "server 4 " not in msg
 
 
+def test_two_bad_servers_at_once_are_both_named(launch):
+    cfg, servers, key = launch(num_servers=3, emulator_faults={"0": {"kv_tokens": 200_000},
+                                                               "2": {"kv_tokens": 400_000}})
+    with pytest.raises(GateFailed) as info:
+        probes.health_gate(servers, key, cfg.fleet)
+    msg = str(info.value)
+    assert "failed on 2 of 3 servers" in msg
+    assert f"server 0 (GPU 0, 127.0.0.1:{cfg.fleet.base_port}): only 200,000 KV tokens" in msg
+    assert f"server 2 (GPU 2, 127.0.0.1:{cfg.fleet.base_port + 2}): only 400,000 KV tokens" in msg
+    assert "server 1 " not in msg
+
+
 def test_low_running_slots_fail_with_the_flags_that_raise_them(launch):
     cfg, servers, key = launch(num_servers=2, min_running_requests=32)
     with pytest.raises(GateFailed) as info:

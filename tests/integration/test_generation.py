@@ -76,6 +76,21 @@ def test_leases_are_exclusive_and_a_dead_server_is_not_leased(launch):
     lease.release()
 
 
+def test_a_dead_server_is_never_leased_whichever_server_a_shard_prefers(launch):
+    cfg, servers, _ = launch(num_servers=2)
+    dead, live = servers
+    os.killpg(dead.pid, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while is_alive(dead) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    for shard in range(4):  # every preference order, whatever it is, has the dead server first for some shard
+        lease = generation.lease_server(cfg.fleet_dir, servers, shard, wait_s=1)
+        assert lease.server.index == live.index, f"shard {shard} leased the dead {lease.server.name}"
+        with pytest.raises(generation.NoServerFree):  # the live one is taken: the dead one is no fallback
+            generation.lease_server(cfg.fleet_dir, servers, shard, wait_s=0.3)
+        lease.release()
+
+
 def test_server_killed_mid_shard_fails_over_with_nothing_lost_or_duplicated(launch, tmp_path):
     cfg, servers, key = launch(num_servers=2, emulator_profile={"decode_tokens_per_s": 4000, "startup_s": 0.1})
     shard = plan(cfg, tmp_path, n=60, shard_size=60)["shards"][0]
