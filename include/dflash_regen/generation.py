@@ -155,18 +155,25 @@ def write_part(folder: Path, rows: list[dict], schema: pa.Schema) -> None:
 
 
 def merge_parts(folder: Path, target: Path, schema: pa.Schema) -> int:
-    """One file, each sample once (first write wins), written atomically; parts removed afterwards."""
-    sources = _sources(folder, target)
-    tables = [pq.read_table(p, schema=schema) for p in sources]
-    table = pa.concat_tables(tables) if tables else schema.empty_table()
-    ids = table.column("sample_id").to_pylist()
-    seen: set = set()
-    keep = [i for i, sid in enumerate(ids) if not (sid in seen or seen.add(sid))]
-    table = table.take(pa.array(keep, pa.int64())) if len(keep) != len(ids) else table
-    atomic.write_table(table, target)
-    for p in sources:
-        if p != target:
-            p.unlink()
+    """One file, each sample once (first write wins), written atomically; parts removed afterwards.
+
+    Duplicates are real: two attempts of one shard can run at once (a zombie task and its retry), and a
+    kill between the rename and the unlinks leaves the merged rows in their parts too.
+    """
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.with_name(f".{target.name}.lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # concurrent attempts merge one at a time (the lock dies with them)
+        sources = _sources(folder, target)
+        tables = [pq.read_table(p, schema=schema) for p in sources]
+        table = pa.concat_tables(tables) if tables else schema.empty_table()
+        ids = table.column("sample_id").to_pylist()
+        seen: set = set()
+        keep = [i for i, sid in enumerate(ids) if not (sid in seen or seen.add(sid))]
+        table = table.take(pa.array(keep, pa.int64())) if len(keep) != len(ids) else table
+        atomic.write_table(table, target)
+        for p in sources:
+            if p != target:
+                p.unlink()
     return table.num_rows
 
 

@@ -227,3 +227,74 @@ def test_regenerate_history_replaces_earlier_assistant_turns_with_the_models_own
     turns = json.loads(pq.read_table(regen["path"]).to_pylist()[0]["assistant_turns"])
     assert len(turns) == 2 and all(t["reasoning_content"] and t["content"] for t in turns)
     assert turns[0]["content"] != "ORIGINAL ANSWER"
+
+
+SHARD_PROCESS = """
+import json, os, signal, sys, time
+from pathlib import Path
+sys.path.insert(0, {tests!r})
+from dflash_regen.config import RunConfig
+from test_generation import run_shard
+job = json.load(open({job!r}))
+if job.get("die_on_part_unlink"):  # SIGKILL between the merged file's rename and the parts' removal
+    for name in ("unlink", "remove"):
+        real = getattr(os, name)
+        def die(path, *a, _real=real, **k):
+            if Path(path).name.startswith("part-"):
+                os.kill(os.getpid(), signal.SIGKILL)
+            return _real(path, *a, **k)
+        setattr(os, name, die)
+Path(job["ready"]).touch()
+while not Path(job["go"]).exists():  # start together with the other shard process, if any
+    time.sleep(0.01)
+result, server = run_shard(RunConfig.from_params(job["params"], "test_run"), job["key"], job["shard"])
+print(json.dumps({{"generated_now": result["generated_now"], "server": server.index}}))
+"""
+
+
+def start_shard_process(cfg, key, shard, tmp_path, name, **job):
+    job_file = tmp_path / f"{name}.json"
+    job_file.write_text(json.dumps({"params": cfg.params, "shard": shard, "key": key, "go": str(tmp_path / "go"),
+                                    "ready": str(tmp_path / f"{name}.ready"), **job}))
+    script = SHARD_PROCESS.format(tests=str(Path(__file__).parent), job=str(job_file))
+    return subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+
+
+def start_together(tmp_path, procs, names):
+    deadline = time.monotonic() + 60
+    while not all((tmp_path / f"{n}.ready").exists() for n in names) and time.monotonic() < deadline:
+        assert all(p.poll() is None for p in procs), "a shard process ended before the start"
+        time.sleep(0.02)
+    (tmp_path / "go").touch()
+
+
+def test_two_shard_processes_racing_on_one_shard_leave_each_sample_once(launch, tmp_path):
+    # Airflow can run one shard twice at once (a zombie task and its retry): each leases its own server and
+    # sends every sample, so the checkpoint parts really hold each sample twice.
+    cfg, _, key = launch(num_servers=2)
+    shard = plan(cfg, tmp_path, n=24, shard_size=24)["shards"][0]
+    procs = [start_shard_process(cfg, key, shard, tmp_path, name) for name in ("a", "b")]
+    start_together(tmp_path, procs, ["a", "b"])
+    outs = [json.loads(p.communicate(timeout=120)[0].splitlines()[-1]) for p in procs]
+    assert all(p.returncode == 0 for p in procs)
+    assert {o["server"] for o in outs} == {0, 1}
+    assert sum(o["generated_now"] for o in outs) > 24, "the race produced no duplicate work"
+    got = ids_of(cfg.run_dir / "completions" / "shard-00000.parquet")
+    assert sorted(got) == sorted(ids_of(shard["path"])) and len(got) == len(set(got))
+
+
+def test_a_kill_between_merge_and_unlink_leaves_duplicates_the_retry_removes(launch, tmp_path):
+    cfg, _, key = launch(num_servers=1)
+    shard = plan(cfg, tmp_path, n=12, shard_size=12)["shards"][0]
+    proc = start_shard_process(cfg, key, shard, tmp_path, "a", die_on_part_unlink=True)
+    start_together(tmp_path, [proc], ["a"])
+    proc.communicate(timeout=120)
+    assert proc.returncode == -signal.SIGKILL
+    merged = cfg.run_dir / "completions" / "shard-00000.parquet"
+    parts = list((cfg.run_dir / "completions" / "shard-00000").glob("part-*.parquet"))
+    on_disk = ids_of(merged) + [i for p in parts for i in ids_of(p)]
+    assert len(on_disk) == 24  # every sample twice: in the merged file and still in its parts
+    result, _ = run_shard(cfg, key, shard)
+    got = ids_of(result["path"])
+    assert result["generated_now"] == 0
+    assert sorted(got) == sorted(ids_of(shard["path"])) and len(got) == len(set(got)) == 12
