@@ -190,6 +190,10 @@ PARAMS = {
                              title="Retries per request",
                              description="For connection resets, 5xx/429 and stalls, with backoff; a server "
                                          "that keeps failing is marked unhealthy and the shard moves."),
+    "max_generate_error_share": Param(D["max_generate_error_share"], type="number", **_range(0, 1),
+                                      section=DISPATCH, title="Max share of prompts the servers refuse",
+                                      description="Per shard: prompts refused by two servers (4xx, or the same "
+                                                  "5xx) are quarantined; above this share the shard fails."),
     "checkpoint_every": Param(D["checkpoint_every"], type="integer", **_range(1, 1_000_000), section=DISPATCH,
                               title="Checkpoint every N results",
                               description="Finished samples are written to a parquet part after this many; a "

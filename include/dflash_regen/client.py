@@ -4,7 +4,8 @@ Thinking answers can run to 32K tokens (~20 minutes), so a total timeout is the 
 response is streamed (SSE) and *silence* is the failure — `requests`' read timeout applies to each socket
 read, so it fires when no byte arrived for `stall_s` — with a generous overall cap on top. Errors are
 sorted at this boundary: `TransientError` (connection reset, 5xx, stall, an error event mid-stream) is
-worth retrying; `PromptError` (4xx) is the prompt's fault and goes to quarantine with the server's message.
+worth retrying; `PromptError` (4xx) is the prompt's fault and goes to quarantine with the server's message;
+`AuthError` (401/403) is the configuration's fault (the API key) and fails at once.
 """
 
 from __future__ import annotations
@@ -17,11 +18,30 @@ from dataclasses import dataclass, field
 import requests
 from requests.adapters import HTTPAdapter
 
-from dflash_regen.errors import DflashError
+from dflash_regen.errors import DflashError, NotRetryable
 
 
 class TransientError(DflashError):
     """The request may succeed if sent again (possibly to another server)."""
+
+
+class ServerError(TransientError):
+    """HTTP 5xx: usually transient, but the same answer to one prompt on two servers makes it the prompt's."""
+
+    def __init__(self, status: int, message: str, base_url: str):
+        super().__init__(f"HTTP {status} from {base_url}: {message}")
+        self.status, self.message = status, message
+
+
+class AuthError(NotRetryable):
+    """HTTP 401/403: the server refuses our API key; no prompt and no retry can fix that."""
+
+    @classmethod
+    def of(cls, base_url: str, resp: requests.Response) -> AuthError:
+        return cls(f"{base_url} refused the API key with HTTP {resp.status_code} ({_error_message(resp)}): the key "
+                   "sent is not the server's --api-key. Relaunch the fleet (clear launch_fleet) so servers and "
+                   "clients share one key, or set the secret DFLASH_SGLANG_API_KEY to the key the servers were "
+                   "started with")
 
 
 class Cancelled(DflashError):
@@ -97,8 +117,12 @@ def stream_chat(session: requests.Session, base_url: str, api_key: str, payload:
     except requests.RequestException as exc:
         raise TransientError(f"{type(exc).__name__} connecting to {base_url}: {exc}") from exc
     with resp:
-        if resp.status_code >= 500 or resp.status_code == 429:
+        if resp.status_code == 429:
             raise TransientError(f"HTTP {resp.status_code} from {base_url}: {_error_message(resp)}")
+        if resp.status_code >= 500:
+            raise ServerError(resp.status_code, _error_message(resp), base_url)
+        if resp.status_code in (401, 403):
+            raise AuthError.of(base_url, resp)
         if resp.status_code >= 400:
             raise PromptError(resp.status_code, _error_message(resp))
         try:

@@ -83,6 +83,7 @@ DEFAULTS: dict[str, Any] = {
     "shard_size": 1000,
     "context_length": 262144,
     "max_bad_row_share": 0.05,
+    "max_generate_error_share": 0.05,
     "seed": 0,
     "concurrency_per_server": 0,
     "calibration_prompts": 64,
@@ -279,6 +280,7 @@ class GenerationSettings:
     progress_s: float
     served_model: str
     reasoning_parser: str
+    max_error_share: float = 0.05  # share of a shard's prompts the servers may refuse (quarantined) before it fails
 
 
 @dataclass(frozen=True)
@@ -433,6 +435,7 @@ class RunConfig:
             checkpoint_every=_int(params, "checkpoint_every", 1, 1_000_000),
             checkpoint_s=_float(params, "checkpoint_s", 0.1, 86_400),
             progress_s=30.0, served_model=served, reasoning_parser=_flag_value(flags, "--reasoning-parser"),
+            max_error_share=_float(params, "max_generate_error_share", 0.0, 1.0),
         )
         quality = QualitySettings(
             empty_mask_tokens=_int(params, "empty_mask_tokens", 0, 1000),

@@ -35,7 +35,7 @@ from dflash_regen import (
 from dflash_regen.config import DEMO_MODEL, DEMO_PROMPTS, RunConfig
 from dflash_regen.demo_model import write_demo_model
 from dflash_regen.demo_prompts import write_demo_prompts
-from dflash_regen.errors import ConfigError, GateFailed, PublishRefused, StagingError
+from dflash_regen.errors import ConfigError, GateFailed, NotRetryable, PublishRefused, StagingError
 from dflash_regen.prompt_sources import PromptSourceError
 from dflash_regen.tokenize import TokenizeError
 
@@ -47,7 +47,8 @@ def fail_fast(fn):
     def wrapper(*args, **kwargs):
         try:
             return fn(*args, **kwargs)
-        except (ConfigError, GateFailed, StagingError, PromptSourceError, PublishRefused, TokenizeError) as exc:
+        except (ConfigError, GateFailed, StagingError, PromptSourceError, PublishRefused, TokenizeError,
+                NotRetryable) as exc:
             # One exception in the library error's place (its traceback, its cause): the task log's error then
             # opens with the library's message instead of repeating it under a second traceback.
             raise AirflowFailException(f"{type(exc).__name__}: {exc}").with_traceback(exc.__traceback__) \
@@ -170,6 +171,7 @@ def plan_shards(params: dict, run_id: str) -> list[dict]:
     return [{**s, "run_prompts": plan["accepted"]} for s in plan["shards"]]
 
 
+@fail_fast
 def generate(params: dict, run_id: str, shard: dict) -> dict:
     cfg = RunConfig.from_params(params, run_id)
     servers = fleet.load_servers(cfg.fleet_dir)

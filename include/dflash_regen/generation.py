@@ -11,6 +11,10 @@
   ended (the signal or exit code its watcher recorded) and how many samples are kept; the server is also
   recorded in `fleet/failed-shard-XXXXX.json`, which outlives a relaunch, so the retry (or a clear) leases
   another server first: on real hardware a faulty GPU is the likely cause.
+  A 5xx that every retry of one prompt meets, while the server answers a probe, is put to a second
+  server: failing there too, it is the prompt's fault (quarantined with both servers' messages, as 4xx
+  answers are); a 401/403 fails the shard at once (the API key). Quarantines above `max_error_share` of a
+  shard fail it.
 """
 
 from __future__ import annotations
@@ -32,10 +36,18 @@ import pyarrow.parquet as pq
 import requests
 
 from dflash_regen import atomic
-from dflash_regen.client import ChatResult, PromptError, TransientError, make_session, stream_chat
+from dflash_regen.client import (
+    AuthError,
+    ChatResult,
+    PromptError,
+    ServerError,
+    TransientError,
+    make_session,
+    stream_chat,
+)
 from dflash_regen.config import GenerationSettings
-from dflash_regen.errors import DflashError
-from dflash_regen.fleet import Server, healthy_servers, how_it_ended, is_alive, log_tail, mark_unhealthy
+from dflash_regen.errors import DflashError, NotRetryable
+from dflash_regen.fleet import Server, healthy_servers, how_it_ended, is_alive, load_servers, log_tail, mark_unhealthy
 from dflash_regen.planning import QUARANTINE_SCHEMA
 
 log = logging.getLogger(__name__)
@@ -65,6 +77,10 @@ class _Stopped(ServerUnhealthy):
 
 class NoServerFree(DflashError):
     """Every healthy server is leased by another shard task (or none is healthy)."""
+
+
+class TooManyPromptErrors(NotRetryable):
+    """More of a shard's prompts were refused by the servers than Param max_generate_error_share allows."""
 
 
 class ShardFailed(DflashError):
@@ -206,8 +222,8 @@ class Generator:
     """Sends one sample's requests with per-request retries; shared by the shard's worker threads."""
 
     def __init__(self, server: Server, api_key: str, settings: GenerationSettings, in_flight: int,
-                 model_revision: str | None):
-        self.server, self.api_key, self.settings = server, api_key, settings
+                 model_revision: str | None, fleet_dir: Path | None = None):
+        self.server, self.api_key, self.settings, self.fleet_dir = server, api_key, settings, fleet_dir
         self.model_revision = model_revision
         self.session = make_session(in_flight)
         self.stop = threading.Event()
@@ -215,7 +231,8 @@ class Generator:
         self._consecutive_failures = 0
         self.failure_limit = max(2 * in_flight, 8)
 
-    def _request(self, payload: dict) -> tuple[ChatResult, int]:
+    def _request(self, payload: dict) -> tuple[ChatResult, int, str]:
+        """(result, attempts, name of the server that answered)."""
         delay = 1.0
         for attempt in range(1, self.settings.request_retries + 2):
             if self.stop.is_set():
@@ -232,6 +249,9 @@ class Generator:
                     raise ServerUnhealthy(f"{self.server.name} stopped answering "
                                           f"({self._consecutive_failures} failures in a row; last: {exc})") from exc
                 if attempt > self.settings.request_retries:
+                    if isinstance(exc, ServerError):
+                        result, served_by = self._second_opinion(payload, exc)
+                        return result, attempt + 1, served_by
                     raise
                 log.warning("%s: attempt %d failed (%s); retrying in %.0f s", self.server.name, attempt, exc, delay)
                 time.sleep(delay)
@@ -239,24 +259,58 @@ class Generator:
                 continue
             with self._lock:
                 self._consecutive_failures = 0
-            return result, attempt
+            return result, attempt, self.server.name
         raise AssertionError("unreachable")
 
-    def _server_answers(self) -> bool:
-        """A real 1-token generation: `/health` can answer while the scheduler is wedged (sglang#6624)."""
-        if not is_alive(self.server):
-            return False
+    def _probe(self, server: Server) -> int | None:
+        """HTTP status of a real 1-token generation (None: no answer). `/health` can answer while the
+        scheduler is wedged (sglang#6624)."""
+        if not is_alive(server):
+            return None
         probe = {"model": self.settings.served_model, "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}],
                  "chat_template_kwargs": {"enable_thinking": False}}
+        status = None
         for _ in range(2):  # one probe may meet the same transient fault as the request it checks
             try:
-                requests.post(f"{self.server.url}/v1/chat/completions", json=probe,
-                              timeout=min(30.0, self.settings.stall_s),
-                              headers={"Authorization": f"Bearer {self.api_key}"})
-                return True  # any answer, even a 5xx, means the scheduler is there
+                status = requests.post(f"{server.url}/v1/chat/completions", json=probe,
+                                       timeout=min(30.0, self.settings.stall_s),
+                                       headers={"Authorization": f"Bearer {self.api_key}"}).status_code
             except requests.RequestException:
                 continue
-        return False
+            if status == 200:
+                break
+        return status
+
+    def _server_answers(self) -> bool:
+        return self._probe(self.server) is not None  # any answer, even a 5xx, means the scheduler is there
+
+    def _second_opinion(self, payload: dict, first: ServerError) -> tuple[ChatResult, str]:
+        """Every retry of this prompt met `first`: whose fault is it? The server's if it fails a plain probe
+        too (ServerUnhealthy); the prompt's if a second server fails it as well (PromptError, quarantined);
+        else the second server's answer is the result."""
+        if self._probe(self.server) != 200:
+            raise ServerUnhealthy(f"{self.server.name} fails other prompts too (a 1-token probe got no 200); "
+                                  f"last: {first}")
+        with self._lock:
+            self._consecutive_failures = 0  # it answers other prompts: this one is the suspect
+        mine = f"{self.server.name}: HTTP {first.status}: {first.message}"
+        others = [s for s in healthy_servers(self.fleet_dir, load_servers(self.fleet_dir))
+                  if s.index != self.server.index] if self.fleet_dir else []
+        if not others:
+            raise PromptError(first.status, f"{mine} (on all {self.settings.request_retries + 1} tries; no other "
+                                            "healthy server to ask)")
+        other = others[0]
+        with requests.Session() as session:  # not the shard's pool, which is sized for the leased server
+            try:
+                result = stream_chat(session, other.url, self.api_key, payload, stall_s=self.settings.stall_s,
+                                     cap_s=self.settings.request_cap_s)
+            except (ServerError, PromptError) as exc:
+                raise PromptError(exc.status, f"{mine}; and {other.name}: {exc}") from exc
+            except TransientError:
+                raise first from None  # no verdict from the second server: still a transient failure
+        log.warning("%s failed one prompt on every try (%s) but %s answered it: its answer is kept",
+                    self.server.name, first, other.name)
+        return result, other.name
 
     def generate(self, sample: dict) -> dict:
         """One completion row for a shard row (sample_id, messages, tools)."""
@@ -270,7 +324,7 @@ class Generator:
             # Regenerate every assistant turn in order from the model's own earlier answers.
             for msg in messages:
                 if msg["role"] == "assistant":
-                    result, _ = self._request(chat_payload(history, tools, s, seed, s.max_tokens))
+                    result, _, _ = self._request(chat_payload(history, tools, s, seed, s.max_tokens))
                     turns.append(_turn(result))
                     history.append({"role": "assistant", "content": result.content,
                                     **({"tool_calls": result.tool_calls} if result.tool_calls else {})})
@@ -278,15 +332,15 @@ class Generator:
                     history.append(msg)
             targets = history
         max_tokens = s.max_tokens
-        result, attempt = self._request(chat_payload(targets, tools, s, seed, max_tokens))
+        result, attempt, served_by = self._request(chat_payload(targets, tools, s, seed, max_tokens))
         if s.retry_truncated and (result.finish_reason == "length" or not (result.content or result.tool_calls)):
             max_tokens = 2 * s.max_tokens
-            result, extra = self._request(chat_payload(targets, tools, s, seed, max_tokens))
+            result, extra, served_by = self._request(chat_payload(targets, tools, s, seed, max_tokens))
             attempt += extra
         turns.append(_turn(result))
         usage = result.usage or {}
         return {
-            "sample_id": sample["sample_id"], "shard": sample["shard"], "server": self.server.name,
+            "sample_id": sample["sample_id"], "shard": sample["shard"], "server": served_by,
             "reasoning_content": result.reasoning or None, "content": result.content or None,
             "tool_calls": json.dumps(result.tool_calls) if result.tool_calls else None,
             "finish_reason": result.finish_reason, "prompt_tokens": usage.get("prompt_tokens"),
@@ -343,6 +397,8 @@ def _server_facts(server: Server, api_key: str) -> tuple[int, str | None]:
     headers = {"Authorization": f"Bearer {api_key}"}
     try:
         info = requests.get(f"{server.url}/server_info", headers=headers, timeout=30)
+        if info.status_code in (401, 403):
+            raise AuthError.of(server.url, info)
         info.raise_for_status()
         model = requests.get(f"{server.url}/model_info", headers=headers, timeout=30)
         model.raise_for_status()
@@ -350,6 +406,17 @@ def _server_facts(server: Server, api_key: str) -> tuple[int, str | None]:
     except (requests.RequestException, KeyError, IndexError, ValueError) as exc:
         raise ServerUnhealthy(f"{server.name} did not report its slots ({exc})") from exc
     return slots, model.json().get("weight_version")
+
+
+def _check_refused_share(paths: ShardPaths, prompts: int, refused: int, limit: float) -> None:
+    """A fleet that refuses many prompts (a wrong template, a new server version) must not quietly empty a run."""
+    if prompts and refused / prompts > limit:
+        rows = pq.read_table(paths.failures_output, columns=["sample_id", "reason", "detail"]).to_pylist()
+        raise TooManyPromptErrors(
+            f"shard {paths.shard}: the servers refused {refused} of {prompts} prompts ({refused / prompts:.1%}), "
+            f"above Param max_generate_error_share={limit:.1%}; e.g. {rows[0]['sample_id']}: {rows[0]['reason']} "
+            f"({rows[0]['detail'][:300]}). All are in {paths.failures_output}; fix the prompts or the servers, "
+            "or raise the Param, then clear the shard")
 
 
 def generate_shard(paths: ShardPaths, lease: Lease, api_key: str, settings: GenerationSettings, *,
@@ -365,6 +432,7 @@ def generate_shard(paths: ShardPaths, lease: Lease, api_key: str, settings: Gene
         done = pq.read_metadata(paths.output).num_rows
         failed = pq.read_metadata(paths.failures_output).num_rows
         log.info("shard %d already complete: %d completions, %d quarantined", paths.shard, done, failed)
+        _check_refused_share(paths, done + failed, failed, settings.max_error_share)
         return {"shard": paths.shard, "completed": done, "quarantined": failed, "generated_now": 0,
                 "path": str(paths.output), "server": None}
     table = pq.read_table(paths.prompts, columns=["sample_id", "messages", "tools"])
@@ -382,7 +450,7 @@ def generate_shard(paths: ShardPaths, lease: Lease, api_key: str, settings: Gene
     in_flight = settings.in_flight or slots
     log.info("shard %d on %s: %d prompts, %d done before, %d quarantined before, %d to send, %d in flight",
              paths.shard, server.name, table.num_rows, len(done_ids), len(failed_ids), len(todo), in_flight)
-    gen = Generator(server, api_key, settings, in_flight, revision)
+    gen = Generator(server, api_key, settings, in_flight, revision, fleet_dir)
     pending_rows: list[dict] = []
     pending_failures: list[dict] = []
     stats = {"completed": 0, "output_tokens": 0, "reasoning_tokens": 0, "quarantined": 0}
@@ -430,7 +498,7 @@ def generate_shard(paths: ShardPaths, lease: Lease, api_key: str, settings: Gene
                                                  "sample_id": row["sample_id"]})
                         stats["quarantined"] += 1
                         continue
-                    except (ServerUnhealthy, TransientError) as exc:
+                    except (ServerUnhealthy, TransientError, AuthError) as exc:
                         if error is None or isinstance(error, _Stopped):  # keep the cause, not its echoes
                             error = exc
                         gen.stop.set()
@@ -451,6 +519,8 @@ def generate_shard(paths: ShardPaths, lease: Lease, api_key: str, settings: Gene
                         fut.cancel()
         finally:
             flush()  # keep every finished result, whatever happens next
+    if isinstance(error, AuthError):
+        raise error
     if error is not None:
         if isinstance(error, ServerUnhealthy):
             mark_unhealthy(fleet_dir, server, str(error))
@@ -462,6 +532,7 @@ def generate_shard(paths: ShardPaths, lease: Lease, api_key: str, settings: Gene
     quarantined = merge_parts(paths.failures, paths.failures_output, QUARANTINE_SCHEMA)
     log.info("shard %d complete on %s: %d completions, %d quarantined, %.1f s", paths.shard, server.name,
              completed, quarantined, time.monotonic() - started)
+    _check_refused_share(paths, completed + quarantined, quarantined, settings.max_error_share)
     return {"shard": paths.shard, "completed": completed, "quarantined": quarantined,
             "generated_now": stats["completed"], "output_tokens": stats["output_tokens"],
             "path": str(paths.output), "server": server.name, "seconds": round(time.monotonic() - started, 2)}

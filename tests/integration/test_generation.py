@@ -298,3 +298,42 @@ def test_a_kill_between_merge_and_unlink_leaves_duplicates_the_retry_removes(lau
     got = ids_of(result["path"])
     assert result["generated_now"] == 0
     assert sorted(got) == sorted(ids_of(shard["path"])) and len(got) == len(set(got)) == 12
+
+
+POISON_ROWS = [{"id": f"ok{i}", "messages": [{"role": "user", "content": f"Tell me about topic {i}."}]}
+               for i in range(5)] + [{"id": "poison", "messages": [{"role": "user", "content": "Call {tool} POISON"}]}]
+
+
+def test_a_prompt_two_servers_fail_is_quarantined_and_the_shard_goes_on(launch, tmp_path):
+    cfg, servers, key = launch(num_servers=2, emulator_faults={"*": {"error_substring": "POISON"}})
+    shard = plan(cfg, tmp_path, rows=POISON_ROWS)["shards"][0]
+    result, server = run_shard(cfg, key, shard, request_retries=1, max_error_share=0.5)
+    assert result["completed"] == 5 and result["quarantined"] == 1
+    (failure,) = pq.read_table(cfg.run_dir / "failures" / "shard-00000.parquet").to_pylist()
+    assert failure["sample_id"] == "poison" and failure["reason"] == "http_500" and failure["stage"] == "generate"
+    assert all(s.name in failure["detail"] for s in servers)
+    assert "Failed to apply the chat template" in failure["detail"]
+    assert not list(cfg.fleet_dir.glob("unhealthy-*"))  # both answer every other prompt: neither is unhealthy
+    # Above the Param's share the shard fails at once, naming the Param and a refused sample.
+    with pytest.raises(generation.TooManyPromptErrors, match=r"refused 1 of 6 prompts \(16.7%\), above Param "
+                                                             r"max_generate_error_share=10.0%; e.g. poison: http_500"):
+        run_shard(cfg, key, shard, max_error_share=0.1)
+
+
+def test_a_prompt_only_one_server_fails_is_answered_by_the_other(launch, tmp_path):
+    cfg, servers, key = launch(num_servers=2, emulator_faults={"0": {"error_substring": "POISON"}})
+    shard = plan(cfg, tmp_path, rows=POISON_ROWS)["shards"][0]  # shard 0 leases server 0 first
+    result, server = run_shard(cfg, key, shard, request_retries=1)
+    assert server.index == 0 and result["completed"] == 6 and result["quarantined"] == 0
+    rows = {r["sample_id"]: r["server"] for r in pq.read_table(result["path"]).to_pylist()}
+    assert rows["poison"] == servers[1].name and rows["ok0"] == servers[0].name
+
+
+def test_a_wrong_api_key_fails_the_shard_at_once_naming_the_setting(launch, tmp_path):
+    cfg, _, _ = launch(num_servers=1)
+    shard = plan(cfg, tmp_path, n=6, shard_size=6)["shards"][0]
+    started = time.monotonic()
+    with pytest.raises(generation.AuthError, match="refused the API key with HTTP 401.*DFLASH_SGLANG_API_KEY"):
+        run_shard(cfg, "not-the-key", shard)
+    assert time.monotonic() - started < 10  # not retried with backoff
+    assert not (cfg.run_dir / "failures" / "shard-00000").exists()  # nothing quarantined

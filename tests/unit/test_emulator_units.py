@@ -258,6 +258,8 @@ def test_faults_merge_star_with_the_gpus_own_entry():
     ("DFLASH_EMU_FAULTS", '{"0": {"kv_tokenz": 1}}', "DFLASH_EMU_FAULTS: unknown key 'kv_tokenz' (GPU '0')"),
     ("DFLASH_EMU_FAULTS", '{"9": {"hang_rate": 2}}', "key 'hang_rate' (GPU '9') = 2 is invalid: must be between 0"),
     ("DFLASH_EMU_FAULTS", '{"0": {"empty_content": 1}}', "must be true or false"),
+    ("DFLASH_EMU_FAULTS", '{"*": {"error_status": 200}}', "key 'error_status' (GPU '*') = 200 is invalid: must be "
+                                                          "an HTTP error status"),
     ("DFLASH_EMU_PROFILE", '{"decode_tokens_per_s": 0}', "key 'decode_tokens_per_s' = 0 is invalid: must be > 0"),
     ("DFLASH_EMU_PROFILE", '{"speed": 1}', "DFLASH_EMU_PROFILE: unknown key 'speed'; known keys: decode_tokens"),
     ("DFLASH_EMU_PROFILE", "[1]", "DFLASH_EMU_PROFILE must be a JSON object"),
