@@ -23,10 +23,12 @@ from dflash_regen import (
     capacity,
     fleet,
     generation,
+    inputs,
     planning,
     probes,
     publish,
     quality,
+    runlock,
     smoke,
     staging,
     tokenize,
@@ -74,6 +76,11 @@ def _servers(cfg: RunConfig) -> tuple[list[fleet.Server], str]:
 @fail_fast
 def stage_weights(params: dict, run_id: str) -> dict:
     cfg = RunConfig.from_params(params, run_id)  # validates every Param before any GPU work
+    inputs.check_output_root(cfg.output_root)
+    runlock.acquire(cfg.output_root, run_id, cfg.run_id, _run_is_active)
+    if cfg.prompt_source != DEMO_PROMPTS:
+        first = inputs.check_prompt_source(Path(cfg.prompt_source), cfg.plan.prompt_format)
+        log.info("prompt source %s: first usable row at %s", cfg.prompt_source, first)
     source = Path(cfg.model_source)
     if cfg.model_source == DEMO_MODEL:
         source = write_demo_model(cfg.output_root / "demo-model", with_tokenizer=True)
@@ -83,9 +90,22 @@ def stage_weights(params: dict, run_id: str) -> dict:
     return {"model_path": str(cfg.staging_dir), "copied_bytes": report.copied_bytes}
 
 
+def _run_is_active(run_id: str) -> bool:
+    """Whether Airflow runs `run_id` of this DAG now (its tasks' processes come and go)."""
+    from airflow.sdk import get_current_context
+
+    try:
+        ti = get_current_context()["ti"]
+        return ti.get_dagrun_state(ti.dag_id, run_id) in {"running", "queued"}
+    except Exception as exc:  # noqa: BLE001 - no record (deleted by a re-trigger) or no scheduler: not running
+        log.info("Airflow knows no running run %r (%s: %s)", run_id, type(exc).__name__, exc)
+        return False
+
+
 @fail_fast
 def launch_fleet(params: dict, run_id: str, model_path: str) -> dict:
     cfg = RunConfig.from_params(params, run_id)
+    runlock.reap_orphans(cfg.output_root, cfg.run_id)  # servers of runs that died before their teardown
     servers = fleet.launch_fleet(cfg.fleet, Path(model_path), cfg.fleet_dir)
     return {"fleet_dir": str(cfg.fleet_dir), "servers": [{"index": s.index, "url": s.url, "gpu": s.gpu,
                                                             "pid": s.pid, "log": s.log_path} for s in servers]}
