@@ -224,7 +224,8 @@ PARAMS = {
     "max_overlong_share": Param(D["max_overlong_share"], type="number", **_range(0, 1), section=QUALITY,
                                 title="Max share longer than max_length",
                                 description="Above this share of samples longer than the training max_length, the "
-                                            "gate fails: most tokens would never be trained on."),
+                                            "gate fails: most tokens would never be trained on. Prompts alone past "
+                                            "it are quarantined at planning, which fails above this share of them."),
     "dataset_name": Param(D["dataset_name"], type="string", pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$", section=OUTPUT,
                           title="Dataset name", description="Published to <output root>/published/<name>/<run id>/."),
     "output_root": Param(D["output_root"], type="string", pattern="^/", section=OUTPUT, title="Output root",

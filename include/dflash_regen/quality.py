@@ -32,7 +32,7 @@ class QualitySettings:
     max_truncated_share: float = 0.05
     max_repetition: float = 0.5  # share of repeated 8-grams in the reasoning
     max_length: int = 4096  # SpecForge's Qwen3.6-27B recipe trains at 4096
-    max_overlong_share: float = 0.5
+    max_overlong_share: float = 0.1
 
 
 def repetition_score(text: str | None, n: int = 8) -> float:
