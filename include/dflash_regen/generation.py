@@ -46,9 +46,10 @@ from dflash_regen.client import (
     stream_chat,
 )
 from dflash_regen.config import GenerationSettings
-from dflash_regen.errors import DflashError, NotRetryable
+from dflash_regen.errors import ConfigError, DflashError, NotRetryable
 from dflash_regen.fleet import Server, healthy_servers, how_it_ended, is_alive, load_servers, log_tail, mark_unhealthy
-from dflash_regen.planning import QUARANTINE_SCHEMA
+from dflash_regen.planning import QUARANTINE_SCHEMA, _TokenCounter
+from dflash_regen.prompts import Prompt
 
 log = logging.getLogger(__name__)
 
@@ -392,8 +393,8 @@ class ShardPaths:
                    run_dir / "completions" / f"{name}.parquet", run_dir / "failures" / f"{name}.parquet")
 
 
-def _server_facts(server: Server, api_key: str) -> tuple[int, str | None]:
-    """(effective running-request slots, weight version) of the leased server."""
+def _server_facts(server: Server, api_key: str) -> tuple[int, str | None, int]:
+    """(effective running-request slots, weight version, context length) of the leased server."""
     headers = {"Authorization": f"Bearer {api_key}"}
     try:
         info = requests.get(f"{server.url}/server_info", headers=headers, timeout=30)
@@ -402,10 +403,34 @@ def _server_facts(server: Server, api_key: str) -> tuple[int, str | None]:
         info.raise_for_status()
         model = requests.get(f"{server.url}/model_info", headers=headers, timeout=30)
         model.raise_for_status()
+        models = requests.get(f"{server.url}/v1/models", headers=headers, timeout=30)
+        models.raise_for_status()
         slots = int(info.json()["internal_states"][0]["effective_max_running_requests_per_dp"])
+        context = int(models.json()["data"][0]["max_model_len"])
     except (requests.RequestException, KeyError, IndexError, ValueError) as exc:
-        raise ServerUnhealthy(f"{server.name} did not report its slots ({exc})") from exc
-    return slots, model.json().get("weight_version")
+        raise ServerUnhealthy(f"{server.name} did not report its slots and context length ({exc})") from exc
+    return slots, model.json().get("weight_version"), context
+
+
+def _too_long(rows: list[dict], server: Server, context: int, max_tokens: int) -> dict[str, str]:
+    """sample_id -> why, for prompts that cannot fit the server's own context length with max_tokens. Planning
+    checked Param context_length; the server may have been launched with less (`--context-length`)."""
+    budget = context - max_tokens
+    if budget <= 0:
+        raise ConfigError(f"{server.name} has a context length of {context:,} tokens, no room for Param max_tokens="
+                          f"{max_tokens:,}: lower max_tokens, or relaunch with a larger --context-length")
+    counter, found = _TokenCounter(), {}  # planning's own count (the tokenizer loads only if a prompt is long)
+    for row in rows:
+        size = len(row["messages"].encode()) + len((row["tools"] or "").encode())  # a token is at least a byte
+        if size + 64 < budget:
+            continue
+        tokens = row.get("prompt_tokens") or counter.count(Prompt(
+            row["sample_id"], json.loads(row["messages"]), json.loads(row["tools"]) if row["tools"] else None, "", 0))
+        if tokens >= budget:
+            found[row["sample_id"]] = (f"{tokens:,} prompt tokens + max_tokens {max_tokens:,} exceed the context "
+                                       f"length {context:,} of {server.name}; not sent. Set Param context_length "
+                                       f"to {context:,} so planning quarantines these before any GPU work")
+    return found
 
 
 def _check_refused_share(paths: ShardPaths, prompts: int, refused: int, limit: float) -> None:
@@ -435,18 +460,20 @@ def generate_shard(paths: ShardPaths, lease: Lease, api_key: str, settings: Gene
         _check_refused_share(paths, done + failed, failed, settings.max_error_share)
         return {"shard": paths.shard, "completed": done, "quarantined": failed, "generated_now": 0,
                 "path": str(paths.output), "server": None}
-    table = pq.read_table(paths.prompts, columns=["sample_id", "messages", "tools"])
+    table = pq.read_table(paths.prompts, columns=["sample_id", "messages", "tools", "prompt_tokens"])
     done_ids = read_done(paths.parts, paths.output)
     failed_ids = read_done(paths.failures, paths.failures_output)
     todo = [{**row, "shard": paths.shard} for row in table.to_pylist()
             if row["sample_id"] not in done_ids and row["sample_id"] not in failed_ids]
     server = lease.server
     try:
-        slots, revision = _server_facts(server, api_key)
+        slots, revision, context = _server_facts(server, api_key)
     except ServerUnhealthy as exc:
         mark_unhealthy(fleet_dir, server, str(exc))
         raise _shard_failed(paths.shard, server, exc, fleet_dir, api_key, len(done_ids) + len(failed_ids),
                             table.num_rows) from None
+    too_long = _too_long(todo, server, context, settings.max_tokens)
+    todo = [row for row in todo if row["sample_id"] not in too_long]
     in_flight = settings.in_flight or slots
     log.info("shard %d on %s: %d prompts, %d done before, %d quarantined before, %d to send, %d in flight",
              paths.shard, server.name, table.num_rows, len(done_ids), len(failed_ids), len(todo), in_flight)
@@ -454,6 +481,8 @@ def generate_shard(paths: ShardPaths, lease: Lease, api_key: str, settings: Gene
     pending_rows: list[dict] = []
     pending_failures: list[dict] = []
     stats = {"completed": 0, "output_tokens": 0, "reasoning_tokens": 0, "quarantined": 0}
+    pending_failures.extend({"location": sid, "stage": "generate", "reason": "too_long", "detail": why,
+                             "sample_id": sid} for sid, why in too_long.items())
     last_flush = last_log = time.monotonic()
 
     def flush() -> None:

@@ -189,16 +189,30 @@ def test_errors_and_hangs_are_retried_until_every_sample_is_produced(launch, tmp
 
 
 def test_prompts_the_server_rejects_are_quarantined_with_its_message(launch, tmp_path):
-    cfg, _, key = launch(num_servers=1, server_flags="--context-length 20000", max_tokens=16384)
+    cfg, _, key = launch(num_servers=1, emulator_faults={"*": {"error_substring": "REJECT", "error_status": 400}})
+    rows = [{"id": "short", "messages": [{"role": "user", "content": "hi"}]},
+            {"id": "bad", "messages": [{"role": "user", "content": "REJECT me"}]}]
+    shard = plan(cfg, tmp_path, rows=rows)["shards"][0]
+    result, _ = run_shard(cfg, key, shard, max_error_share=0.5)
+    assert result["completed"] == 1 and result["quarantined"] == 1
+    failure = pq.read_table(cfg.run_dir / "failures" / "shard-00000.parquet").to_pylist()[0]
+    assert failure["sample_id"] == "bad" and failure["reason"] == "http_400"
+    assert "HTTP 400: Failed to apply the chat template" in failure["detail"]
+
+
+def test_prompts_longer_than_the_servers_own_context_are_quarantined_before_sending(launch, tmp_path):
+    # Planning checked Param context_length (262,144); the server was launched with 20,000.
+    cfg, servers, key = launch(num_servers=1, server_flags="--context-length 20000", max_tokens=16384)
     long = " ".join(f"word{i}" for i in range(6000))
     rows = [{"id": "short", "messages": [{"role": "user", "content": "hi"}]},
             {"id": "long", "messages": [{"role": "user", "content": long}]}]
     shard = plan(cfg, tmp_path, rows=rows)["shards"][0]
-    result, _ = run_shard(cfg, key, shard)
+    result, _ = run_shard(cfg, key, shard, max_error_share=0.5)
     assert result["completed"] == 1 and result["quarantined"] == 1
     failure = pq.read_table(cfg.run_dir / "failures" / "shard-00000.parquet").to_pylist()[0]
-    assert failure["sample_id"] == "long" and failure["reason"] == "http_400"
-    assert "maximum context length" in failure["detail"] or "longer than the model's context" in failure["detail"]
+    assert failure["sample_id"] == "long" and failure["reason"] == "too_long"
+    assert f"+ max_tokens 16,384 exceed the context length 20,000 of {servers[0].name}; not sent. Set Param " \
+           "context_length to 20,000" in failure["detail"]
 
 
 def test_truncated_and_empty_answers_are_recorded_not_dropped_and_may_be_retried_once(launch, tmp_path):
