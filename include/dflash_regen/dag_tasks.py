@@ -180,6 +180,7 @@ def stop_fleet(params: dict, run_id: str) -> list[str]:
 def plan_shards(params: dict, run_id: str) -> list[dict]:
     """Shard descriptors for `generate.expand()`: small dicts, never the prompts themselves."""
     cfg = RunConfig.from_params(params, run_id)
+    inputs.check_output_root(cfg.output_root)  # runs beside stage_weights: fail as clearly, not retried
     source = Path(cfg.prompt_source)
     if cfg.prompt_source == DEMO_PROMPTS:
         source = write_demo_prompts(cfg.output_root / "demo-prompts" / "prompts.jsonl")
