@@ -8,7 +8,7 @@ import pytest
 
 from dflash_regen import inputs
 from dflash_regen.errors import ConfigError
-from dflash_regen.prompts import PromptSourceError
+from dflash_regen.prompt_sources import PromptSourceError
 
 GOOD = {"id": "a", "messages": [{"role": "user", "content": "hi"}]}
 
@@ -41,7 +41,7 @@ def test_a_missing_source_or_a_folder_without_prompt_files_names_the_param(tmp_p
         inputs.check_prompt_source(tmp_path / "nope.jsonl")
     (tmp_path / "docs").mkdir()
     (tmp_path / "docs" / "README.md").write_text("prompts go here")
-    with pytest.raises(PromptSourceError, match=r"found \['README.md'\]; set Param prompt_source"):
+    with pytest.raises(PromptSourceError, match=r"has no readable files .*found \['README.md'\]"):
         inputs.check_prompt_source(tmp_path / "docs")
 
 
