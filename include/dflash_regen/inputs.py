@@ -49,8 +49,8 @@ def check_prompt_source(source: Path, prompt_format: str = "auto") -> str:
             break
     if not seen:
         raise ConfigError(f"Param prompt_source {str(source)!r} has no rows (its files are empty): point it at "
-                          "the prompts (.jsonl, .jsonl.gz or .parquet rows with a 'messages' list)")
+                          "the prompts to regenerate")
     examples = "; ".join(f"{reason} ({where})" for reason, where in list(reasons.items())[:3])
     raise ConfigError(f"Param prompt_source {str(source)!r}: none of its first {seen:,} rows is a usable prompt, "
-                      f"e.g. {examples}. Each row must be a JSON object with a 'messages' list of OpenAI chat "
-                      "turns; fix the file or point the Param at the right one")
+                      f"e.g. {examples}. Fix the rows (see Param prompt_format for the formats read) or point the "
+                      "Param at the right source")
