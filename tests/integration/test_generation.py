@@ -79,7 +79,7 @@ def test_leases_are_exclusive_and_a_dead_server_is_not_leased(launch):
 def test_a_dead_server_is_never_leased_whichever_server_a_shard_prefers(launch):
     cfg, servers, _ = launch(num_servers=2)
     dead, live = servers
-    os.killpg(dead.pid, signal.SIGKILL)
+    os.kill(dead.pid, signal.SIGKILL)
     deadline = time.monotonic() + 10
     while is_alive(dead) and time.monotonic() < deadline:
         time.sleep(0.05)
