@@ -190,6 +190,10 @@ PARAMS = {
                              title="Retries per request",
                              description="For connection resets, 5xx/429 and stalls, with backoff; a server "
                                          "that keeps failing is marked unhealthy and the shard moves."),
+    "max_generate_error_share": Param(D["max_generate_error_share"], type="number", **_range(0, 1),
+                                      section=DISPATCH, title="Max share of prompts the servers refuse",
+                                      description="Per shard: prompts refused by two servers (4xx, or the same "
+                                                  "5xx) are quarantined; above this share the shard fails."),
     "checkpoint_every": Param(D["checkpoint_every"], type="integer", **_range(1, 1_000_000), section=DISPATCH,
                               title="Checkpoint every N results",
                               description="Finished samples are written to a parquet part after this many; a "
@@ -220,7 +224,8 @@ PARAMS = {
     "max_overlong_share": Param(D["max_overlong_share"], type="number", **_range(0, 1), section=QUALITY,
                                 title="Max share longer than max_length",
                                 description="Above this share of samples longer than the training max_length, the "
-                                            "gate fails: most tokens would never be trained on."),
+                                            "gate fails: most tokens would never be trained on. Prompts alone past "
+                                            "it are quarantined at planning, which fails above this share of them."),
     "dataset_name": Param(D["dataset_name"], type="string", pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$", section=OUTPUT,
                           title="Dataset name", description="Published to <output root>/published/<name>/<run id>/."),
     "output_root": Param(D["output_root"], type="string", pattern="^/", section=OUTPUT, title="Output root",

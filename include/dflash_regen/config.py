@@ -83,6 +83,7 @@ DEFAULTS: dict[str, Any] = {
     "shard_size": 1000,
     "context_length": 262144,
     "max_bad_row_share": 0.05,
+    "max_generate_error_share": 0.05,
     "seed": 0,
     "concurrency_per_server": 0,
     "calibration_prompts": 64,
@@ -100,7 +101,7 @@ DEFAULTS: dict[str, Any] = {
     "max_truncated_share": 0.05,
     "max_repetition_score": 0.5,
     "train_max_length": 4096,
-    "max_overlong_share": 0.5,
+    "max_overlong_share": 0.1,
     "dataset_name": "qwen3.6-27b-regen",
     "output_root": os.environ.get("DFLASH_OUTPUT_ROOT", str(Path.home() / "dflash-regen")),
     "emulator_faults": {},
@@ -256,6 +257,8 @@ class PlanSettings:
     max_bad_share: float
     prompt_format: str = "auto"  # one of prompts.PROMPT_FORMATS
     max_shards: int = 1024  # Airflow's [core] max_map_length: more mapped shards cannot be expanded
+    train_max_length: int = 0  # prompts this long leave nothing to train on; 0 = not checked
+    max_overlong_share: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -279,6 +282,7 @@ class GenerationSettings:
     progress_s: float
     served_model: str
     reasoning_parser: str
+    max_error_share: float = 0.05  # share of a shard's prompts the servers may refuse (quarantined) before it fails
 
 
 @dataclass(frozen=True)
@@ -417,6 +421,8 @@ class RunConfig:
             context_length=_int(params, "context_length", 256, 10_000_000),
             max_bad_share=_float(params, "max_bad_row_share", 0.0, 1.0),
             prompt_format=_choice(params, "prompt_format", PROMPT_FORMATS),
+            train_max_length=_int(params, "train_max_length", 1, 10_000_000),
+            max_overlong_share=_float(params, "max_overlong_share", 0.0, 1.0),
         )
         if plan.max_tokens >= plan.context_length:
             raise _fail("max_tokens", plan.max_tokens, f"must be below context_length {plan.context_length:,}")
@@ -433,6 +439,7 @@ class RunConfig:
             checkpoint_every=_int(params, "checkpoint_every", 1, 1_000_000),
             checkpoint_s=_float(params, "checkpoint_s", 0.1, 86_400),
             progress_s=30.0, served_model=served, reasoning_parser=_flag_value(flags, "--reasoning-parser"),
+            max_error_share=_float(params, "max_generate_error_share", 0.0, 1.0),
         )
         quality = QualitySettings(
             empty_mask_tokens=_int(params, "empty_mask_tokens", 0, 1000),

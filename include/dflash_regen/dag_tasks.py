@@ -23,10 +23,12 @@ from dflash_regen import (
     capacity,
     fleet,
     generation,
+    inputs,
     planning,
     probes,
     publish,
     quality,
+    runlock,
     smoke,
     staging,
     tokenize,
@@ -35,7 +37,7 @@ from dflash_regen import (
 from dflash_regen.config import DEMO_MODEL, DEMO_PROMPTS, RunConfig
 from dflash_regen.demo_model import write_demo_model
 from dflash_regen.demo_prompts import write_demo_prompts
-from dflash_regen.errors import ConfigError, GateFailed, PublishRefused, StagingError
+from dflash_regen.errors import ConfigError, GateFailed, NotRetryable, PublishRefused, StagingError
 from dflash_regen.prompt_sources import PromptSourceError
 from dflash_regen.tokenize import TokenizeError
 
@@ -47,7 +49,8 @@ def fail_fast(fn):
     def wrapper(*args, **kwargs):
         try:
             return fn(*args, **kwargs)
-        except (ConfigError, GateFailed, StagingError, PromptSourceError, PublishRefused, TokenizeError) as exc:
+        except (ConfigError, GateFailed, StagingError, PromptSourceError, PublishRefused, TokenizeError,
+                NotRetryable) as exc:
             # One exception in the library error's place (its traceback, its cause): the task log's error then
             # opens with the library's message instead of repeating it under a second traceback.
             raise AirflowFailException(f"{type(exc).__name__}: {exc}").with_traceback(exc.__traceback__) \
@@ -73,6 +76,11 @@ def _servers(cfg: RunConfig) -> tuple[list[fleet.Server], str]:
 @fail_fast
 def stage_weights(params: dict, run_id: str) -> dict:
     cfg = RunConfig.from_params(params, run_id)  # validates every Param before any GPU work
+    inputs.check_output_root(cfg.output_root)
+    runlock.acquire(cfg.output_root, run_id, cfg.run_id, _run_is_active)
+    if cfg.prompt_source != DEMO_PROMPTS:
+        first = inputs.check_prompt_source(Path(cfg.prompt_source), cfg.plan.prompt_format)
+        log.info("prompt source %s: first usable row at %s", cfg.prompt_source, first)
     source = Path(cfg.model_source)
     if cfg.model_source == DEMO_MODEL:
         source = write_demo_model(cfg.output_root / "demo-model", with_tokenizer=True)
@@ -82,9 +90,22 @@ def stage_weights(params: dict, run_id: str) -> dict:
     return {"model_path": str(cfg.staging_dir), "copied_bytes": report.copied_bytes}
 
 
+def _run_is_active(run_id: str) -> bool:
+    """Whether Airflow runs `run_id` of this DAG now (its tasks' processes come and go)."""
+    from airflow.sdk import get_current_context
+
+    try:
+        ti = get_current_context()["ti"]
+        return ti.get_dagrun_state(ti.dag_id, run_id) in {"running", "queued"}
+    except Exception as exc:  # noqa: BLE001 - no record (deleted by a re-trigger) or no scheduler: not running
+        log.info("Airflow knows no running run %r (%s: %s)", run_id, type(exc).__name__, exc)
+        return False
+
+
 @fail_fast
 def launch_fleet(params: dict, run_id: str, model_path: str) -> dict:
     cfg = RunConfig.from_params(params, run_id)
+    runlock.reap_orphans(cfg.output_root, cfg.run_id)  # servers of runs that died before their teardown
     servers = fleet.launch_fleet(cfg.fleet, Path(model_path), cfg.fleet_dir)
     return {"fleet_dir": str(cfg.fleet_dir), "servers": [{"index": s.index, "url": s.url, "gpu": s.gpu,
                                                             "pid": s.pid, "log": s.log_path} for s in servers]}
@@ -159,6 +180,7 @@ def stop_fleet(params: dict, run_id: str) -> list[str]:
 def plan_shards(params: dict, run_id: str) -> list[dict]:
     """Shard descriptors for `generate.expand()`: small dicts, never the prompts themselves."""
     cfg = RunConfig.from_params(params, run_id)
+    inputs.check_output_root(cfg.output_root)  # runs beside stage_weights: fail as clearly, not retried
     source = Path(cfg.prompt_source)
     if cfg.prompt_source == DEMO_PROMPTS:
         source = write_demo_prompts(cfg.output_root / "demo-prompts" / "prompts.jsonl")
@@ -170,6 +192,7 @@ def plan_shards(params: dict, run_id: str) -> list[dict]:
     return [{**s, "run_prompts": plan["accepted"]} for s in plan["shards"]]
 
 
+@fail_fast
 def generate(params: dict, run_id: str, shard: dict) -> dict:
     cfg = RunConfig.from_params(params, run_id)
     servers = fleet.load_servers(cfg.fleet_dir)

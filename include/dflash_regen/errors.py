@@ -1,12 +1,17 @@
 """One exception tree for the pipeline.
 
 Every message says what happened, with which value, and what to do next. Task adapters turn
-`ConfigError`, `GateFailed` and `StagingError` into non-retryable task failures: retrying cannot fix them.
+`ConfigError`, `GateFailed`, `StagingError` and every `NotRetryable` into non-retryable task failures:
+retrying cannot fix them.
 """
 
 
 class DflashError(Exception):
     """Base of every error this package raises on purpose."""
+
+
+class NotRetryable(DflashError):
+    """Deterministic: the same inputs fail the same way (a busy port, an unknown flag, a wrong API key)."""
 
 
 class ConfigError(DflashError, ValueError):
@@ -31,3 +36,11 @@ class GateFailed(DflashError):
 
 class PublishRefused(DflashError):
     """The run's files are inconsistent (counts do not reconcile): nothing is published."""
+
+
+class LaunchRefused(FleetError, NotRetryable):
+    """The fleet cannot start with these Params or on this host as it is (port taken, flag unknown)."""
+
+
+class RunLocked(NotRetryable):
+    """Another live run holds the output root."""

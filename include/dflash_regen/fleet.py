@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from dflash_regen.config import FleetConfig
-from dflash_regen.errors import FleetError
+from dflash_regen.errors import FleetError, LaunchRefused
 from dflash_regen.sglang import Api, Dialect
 
 log = logging.getLogger(__name__)
@@ -164,7 +164,7 @@ def check_port_free(host: str, port: int) -> None:
         try:
             s.bind((host, port))
         except OSError as exc:
-            raise FleetError(f"port {port} on {host} is already in use ({exc.strerror}); another server is "
+            raise LaunchRefused(f"port {port} on {host} is already in use ({exc.strerror}); another server is "
                              f"running there. Find it with `ss -ltnp 'sport = :{port}'` and stop it, or set Param "
                              "base_port to a free range.") from exc
 
@@ -173,11 +173,11 @@ def check_server_command(cfg: FleetConfig) -> str:
     """The interpreter must be on a local disk and import the server package in time; returns its version."""
     exe = shutil.which(cfg.server_argv[0])
     if exe is None:
-        raise FleetError(f"server command {cfg.server_argv[0]!r} not found or not executable; build SGLang's "
+        raise LaunchRefused(f"server command {cfg.server_argv[0]!r} not found or not executable; build SGLang's "
                          "venv with scripts/build-sglang-venv.sh and set Param server_command to its python")
     fstype, mount = _mount_type(Path(exe))
     if _is_network_fs(fstype):
-        raise FleetError(f"server interpreter {exe} is on a network filesystem ({fstype} at {mount}); SGLang's "
+        raise LaunchRefused(f"server interpreter {exe} is on a network filesystem ({fstype} at {mount}); SGLang's "
                          "imports hang there. Build a local venv (scripts/build-sglang-venv.sh) and point Param "
                          "server_command at it.")
     argv = list(cfg.server_argv)
@@ -197,8 +197,8 @@ def check_server_command(cfg: FleetConfig) -> str:
                          "hanging (network filesystem? see the seed); use a local venv") from exc
     if done.returncode != 0:
         last = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
-        raise FleetError(f"`{shlex.join(probe)}` failed (exit {done.returncode}): {last}. Install the server "
-                         "package into that interpreter (scripts/build-sglang-venv.sh).")
+        raise LaunchRefused(f"`{shlex.join(probe)}` failed (exit {done.returncode}): {last}. Install the server "
+                            "package into that interpreter (scripts/build-sglang-venv.sh).")
     version = (done.stdout.strip().splitlines() or [""])[-1]
     log.info("pre-flight: %s imports %s %s in %.1f s", argv[0], package, version, time.monotonic() - started)
     return version
@@ -216,9 +216,9 @@ def is_hybrid(model_path: Path) -> bool:
 def preflight(cfg: FleetConfig, servers: list[Server], model_path: Path) -> Dialect | None:
     """Everything checkable before a process starts; returns the SGLang version's dialect (None if unknown)."""
     if not (model_path / "config.json").is_file():
-        raise FleetError(f"model dir {model_path} has no config.json; run stage_weights first")
+        raise LaunchRefused(f"model dir {model_path} has no config.json; run stage_weights first")
     if len(set(cfg.gpu_ids)) != len(cfg.gpu_ids):
-        raise FleetError(f"GPU ids {','.join(cfg.gpu_ids)} repeat a GPU; give each server its own")
+        raise LaunchRefused(f"GPU ids {','.join(cfg.gpu_ids)} repeat a GPU; give each server its own")
     for server in servers:
         check_port_free(server.host, server.port)
     version = check_server_command(cfg)
@@ -367,9 +367,15 @@ def wait_ready(servers: list[Server], procs: dict[int, subprocess.Popen], api_ke
         while pending:
             for index, server in list(pending.items()):
                 if procs[index].poll() is not None:  # the watcher ends when its server has ended
-                    raise FleetError(f"{server.name} {how_it_ended(fleet_dir, server)} after "
-                                     f"{time.monotonic() - started:.0f} s, before it was ready; log: "
-                                     f"{server.log_path}; last lines:\n{log_tail(server.log_path, api_key)}")
+                    ended, tail = how_it_ended(fleet_dir, server), log_tail(server.log_path, api_key)
+                    # Exit 2 is argparse refusing a flag; a ValueError is ServerArgs refusing a combination:
+                    # the same argv fails the same way again, so a retry would only repeat it.
+                    refused = ended == "exited with code 2" or "ValueError" in tail
+                    hint = (" (it refused its flags: fix Param server_flags, or server_command for another SGLang "
+                            "version)") if refused else ""
+                    raise (LaunchRefused if refused else FleetError)(
+                        f"{server.name} {ended} after {time.monotonic() - started:.0f} s, before it was ready{hint}; "
+                        f"log: {server.log_path}; last lines:\n{tail}")
             results = dict(zip(pending, pool.map(lambda s: _health_ok(s, 5.0), pending.values()), strict=True))
             for index, ok in results.items():
                 if ok:

@@ -11,6 +11,10 @@
   ended (the signal or exit code its watcher recorded) and how many samples are kept; the server is also
   recorded in `fleet/failed-shard-XXXXX.json`, which outlives a relaunch, so the retry (or a clear) leases
   another server first: on real hardware a faulty GPU is the likely cause.
+  A 5xx that every retry of one prompt meets, while the server answers a probe, is put to a second
+  server: failing there too, it is the prompt's fault (quarantined with both servers' messages, as 4xx
+  answers are); a 401/403 fails the shard at once (the API key). Quarantines above `max_error_share` of a
+  shard fail it.
 """
 
 from __future__ import annotations
@@ -32,10 +36,19 @@ import pyarrow.parquet as pq
 
 from dflash_regen import atomic, sglang
 from dflash_regen.config import GenerationSettings
-from dflash_regen.errors import DflashError
-from dflash_regen.fleet import Server, healthy_servers, how_it_ended, is_alive, log_tail, mark_unhealthy
-from dflash_regen.planning import QUARANTINE_SCHEMA
-from dflash_regen.sglang import ChatResult, PromptError, TransientError, make_session, stream_chat
+from dflash_regen.errors import ConfigError, DflashError, NotRetryable
+from dflash_regen.fleet import Server, healthy_servers, how_it_ended, is_alive, load_servers, log_tail, mark_unhealthy
+from dflash_regen.planning import QUARANTINE_SCHEMA, _TokenCounter
+from dflash_regen.prompts import Prompt
+from dflash_regen.sglang import (
+    AuthError,
+    ChatResult,
+    PromptError,
+    ServerError,
+    TransientError,
+    make_session,
+    stream_chat,
+)
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +77,10 @@ class _Stopped(ServerUnhealthy):
 
 class NoServerFree(DflashError):
     """Every healthy server is leased by another shard task (or none is healthy)."""
+
+
+class TooManyPromptErrors(NotRetryable):
+    """More of a shard's prompts were refused by the servers than Param max_generate_error_share allows."""
 
 
 class ShardFailed(DflashError):
@@ -154,18 +171,25 @@ def write_part(folder: Path, rows: list[dict], schema: pa.Schema) -> None:
 
 
 def merge_parts(folder: Path, target: Path, schema: pa.Schema) -> int:
-    """One file, each sample once (first write wins), written atomically; parts removed afterwards."""
-    sources = _sources(folder, target)
-    tables = [pq.read_table(p, schema=schema) for p in sources]
-    table = pa.concat_tables(tables) if tables else schema.empty_table()
-    ids = table.column("sample_id").to_pylist()
-    seen: set = set()
-    keep = [i for i, sid in enumerate(ids) if not (sid in seen or seen.add(sid))]
-    table = table.take(pa.array(keep, pa.int64())) if len(keep) != len(ids) else table
-    atomic.write_table(table, target)
-    for p in sources:
-        if p != target:
-            p.unlink()
+    """One file, each sample once (first write wins), written atomically; parts removed afterwards.
+
+    Duplicates are real: two attempts of one shard can run at once (a zombie task and its retry), and a
+    kill between the rename and the unlinks leaves the merged rows in their parts too.
+    """
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.with_name(f".{target.name}.lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # concurrent attempts merge one at a time (the lock dies with them)
+        sources = _sources(folder, target)
+        tables = [pq.read_table(p, schema=schema) for p in sources]
+        table = pa.concat_tables(tables) if tables else schema.empty_table()
+        ids = table.column("sample_id").to_pylist()
+        seen: set = set()
+        keep = [i for i, sid in enumerate(ids) if not (sid in seen or seen.add(sid))]
+        table = table.take(pa.array(keep, pa.int64())) if len(keep) != len(ids) else table
+        atomic.write_table(table, target)
+        for p in sources:
+            if p != target:
+                p.unlink()
     return table.num_rows
 
 
@@ -193,8 +217,8 @@ class Generator:
     """Sends one sample's requests with per-request retries; shared by the shard's worker threads."""
 
     def __init__(self, server: Server, api_key: str, settings: GenerationSettings, in_flight: int,
-                 model_revision: str | None):
-        self.server, self.api_key, self.settings = server, api_key, settings
+                 model_revision: str | None, fleet_dir: Path | None = None):
+        self.server, self.api_key, self.settings, self.fleet_dir = server, api_key, settings, fleet_dir
         self.model_revision = model_revision
         self.session = make_session(in_flight)
         self.stop = threading.Event()
@@ -202,7 +226,8 @@ class Generator:
         self._consecutive_failures = 0
         self.failure_limit = max(2 * in_flight, 8)
 
-    def _request(self, payload: dict) -> tuple[ChatResult, int]:
+    def _request(self, payload: dict) -> tuple[ChatResult, int, str]:
+        """(result, attempts, name of the server that answered)."""
         delay = 1.0
         for attempt in range(1, self.settings.request_retries + 2):
             if self.stop.is_set():
@@ -219,6 +244,9 @@ class Generator:
                     raise ServerUnhealthy(f"{self.server.name} stopped answering "
                                           f"({self._consecutive_failures} failures in a row; last: {exc})") from exc
                 if attempt > self.settings.request_retries:
+                    if isinstance(exc, ServerError):
+                        result, served_by = self._second_opinion(payload, exc)
+                        return result, attempt + 1, served_by
                     raise
                 log.warning("%s: attempt %d failed (%s); retrying in %.0f s", self.server.name, attempt, exc, delay)
                 time.sleep(delay)
@@ -226,15 +254,47 @@ class Generator:
                 continue
             with self._lock:
                 self._consecutive_failures = 0
-            return result, attempt
+            return result, attempt, self.server.name
         raise AssertionError("unreachable")
 
+    def _probe(self, server: Server) -> int | None:
+        """HTTP status of a real 1-token generation (None: no answer). `/health` can answer while the
+        scheduler is wedged (sglang#6624)."""
+        if not is_alive(server):
+            return None
+        return sglang.Api(server.url, self.api_key).probe(self.settings.served_model,
+                                                          timeout_s=min(30.0, self.settings.stall_s))
+
     def _server_answers(self) -> bool:
-        """A real 1-token generation: `/health` can answer while the scheduler is wedged (sglang#6624)."""
-        if not is_alive(self.server):
-            return False
-        return sglang.Api(self.server.url, self.api_key).answers(self.settings.served_model,
-                                                                 timeout_s=min(30.0, self.settings.stall_s))
+        return self._probe(self.server) is not None  # any answer, even a 5xx, means the scheduler is there
+
+    def _second_opinion(self, payload: dict, first: ServerError) -> tuple[ChatResult, str]:
+        """Every retry of this prompt met `first`: whose fault is it? The server's if it fails a plain probe
+        too (ServerUnhealthy); the prompt's if a second server fails it as well (PromptError, quarantined);
+        else the second server's answer is the result."""
+        if self._probe(self.server) != 200:
+            raise ServerUnhealthy(f"{self.server.name} fails other prompts too (a 1-token probe got no 200); "
+                                  f"last: {first}")
+        with self._lock:
+            self._consecutive_failures = 0  # it answers other prompts: this one is the suspect
+        mine = f"{self.server.name}: HTTP {first.status}: {first.message}"
+        others = [s for s in healthy_servers(self.fleet_dir, load_servers(self.fleet_dir))
+                  if s.index != self.server.index] if self.fleet_dir else []
+        if not others:
+            raise PromptError(first.status, f"{mine} (on all {self.settings.request_retries + 1} tries; no other "
+                                            "healthy server to ask)")
+        other = others[0]
+        with make_session(1) as session:  # not the shard's pool, which is sized for the leased server
+            try:
+                result = stream_chat(session, other.url, self.api_key, payload, stall_s=self.settings.stall_s,
+                                     cap_s=self.settings.request_cap_s)
+            except (ServerError, PromptError) as exc:
+                raise PromptError(exc.status, f"{mine}; and {other.name}: {exc}") from exc
+            except TransientError:
+                raise first from None  # no verdict from the second server: still a transient failure
+        log.warning("%s failed one prompt on every try (%s) but %s answered it: its answer is kept",
+                    self.server.name, first, other.name)
+        return result, other.name
 
     def generate(self, sample: dict) -> dict:
         """One completion row for a shard row (sample_id, messages, tools)."""
@@ -248,7 +308,7 @@ class Generator:
             # Regenerate every assistant turn in order from the model's own earlier answers.
             for msg in messages:
                 if msg["role"] == "assistant":
-                    result, _ = self._request(chat_payload(history, tools, s, seed, s.max_tokens))
+                    result, _, _ = self._request(chat_payload(history, tools, s, seed, s.max_tokens))
                     turns.append(_turn(result))
                     history.append({"role": "assistant", "content": result.content,
                                     **({"tool_calls": result.tool_calls} if result.tool_calls else {})})
@@ -256,15 +316,15 @@ class Generator:
                     history.append(msg)
             targets = history
         max_tokens = s.max_tokens
-        result, attempt = self._request(chat_payload(targets, tools, s, seed, max_tokens))
+        result, attempt, served_by = self._request(chat_payload(targets, tools, s, seed, max_tokens))
         if s.retry_truncated and (result.finish_reason == "length" or not (result.content or result.tool_calls)):
             max_tokens = 2 * s.max_tokens
-            result, extra = self._request(chat_payload(targets, tools, s, seed, max_tokens))
+            result, extra, served_by = self._request(chat_payload(targets, tools, s, seed, max_tokens))
             attempt += extra
         turns.append(_turn(result))
         usage = result.usage or {}
         return {
-            "sample_id": sample["sample_id"], "shard": sample["shard"], "server": self.server.name,
+            "sample_id": sample["sample_id"], "shard": sample["shard"], "server": served_by,
             "reasoning_content": result.reasoning or None, "content": result.content or None,
             "tool_calls": json.dumps(result.tool_calls) if result.tool_calls else None,
             "finish_reason": result.finish_reason, "prompt_tokens": usage.get("prompt_tokens"),
@@ -316,15 +376,50 @@ class ShardPaths:
                    run_dir / "completions" / f"{name}.parquet", run_dir / "failures" / f"{name}.parquet")
 
 
-def _server_facts(server: Server, api_key: str) -> tuple[int, str | None]:
-    """(effective running-request slots, weight version) of the leased server."""
+def _server_facts(server: Server, api_key: str) -> tuple[int, str | None, int]:
+    """(effective running-request slots, weight version, context length) of the leased server."""
     api = sglang.Api(server.url, api_key)
     try:
         slots = api.allocation().running_slots
         model = api.model_info()
+        context = api.context_length()
+    except NotRetryable:
+        raise
     except (DflashError, ValueError) as exc:
-        raise ServerUnhealthy(f"{server.name} did not report its slots ({exc})") from exc
-    return slots, model.get("weight_version")
+        raise ServerUnhealthy(f"{server.name} did not report its slots and context length ({exc})") from exc
+    return slots, model.get("weight_version"), context
+
+
+def _too_long(rows: list[dict], server: Server, context: int, max_tokens: int) -> dict[str, str]:
+    """sample_id -> why, for prompts that cannot fit the server's own context length with max_tokens. Planning
+    checked Param context_length; the server may have been launched with less (`--context-length`)."""
+    budget = context - max_tokens
+    if budget <= 0:
+        raise ConfigError(f"{server.name} has a context length of {context:,} tokens, no room for Param max_tokens="
+                          f"{max_tokens:,}: lower max_tokens, or relaunch with a larger --context-length")
+    counter, found = _TokenCounter(), {}  # planning's own count (the tokenizer loads only if a prompt is long)
+    for row in rows:
+        size = len(row["messages"].encode()) + len((row["tools"] or "").encode())  # a token is at least a byte
+        if size + 64 < budget:
+            continue
+        tokens = row.get("prompt_tokens") or counter.count(Prompt(
+            row["sample_id"], json.loads(row["messages"]), json.loads(row["tools"]) if row["tools"] else None, "", 0))
+        if tokens >= budget:
+            found[row["sample_id"]] = (f"{tokens:,} prompt tokens + max_tokens {max_tokens:,} exceed the context "
+                                       f"length {context:,} of {server.name}; not sent. Set Param context_length "
+                                       f"to {context:,} so planning quarantines these before any GPU work")
+    return found
+
+
+def _check_refused_share(paths: ShardPaths, prompts: int, refused: int, limit: float) -> None:
+    """A fleet that refuses many prompts (a wrong template, a new server version) must not quietly empty a run."""
+    if prompts and refused / prompts > limit:
+        rows = pq.read_table(paths.failures_output, columns=["sample_id", "reason", "detail"]).to_pylist()
+        raise TooManyPromptErrors(
+            f"shard {paths.shard}: the servers refused {refused} of {prompts} prompts ({refused / prompts:.1%}), "
+            f"above Param max_generate_error_share={limit:.1%}; e.g. {rows[0]['sample_id']}: {rows[0]['reason']} "
+            f"({rows[0]['detail'][:300]}). All are in {paths.failures_output}; fix the prompts or the servers, "
+            "or raise the Param, then clear the shard")
 
 
 def generate_shard(paths: ShardPaths, lease: Lease, api_key: str, settings: GenerationSettings, *,
@@ -340,27 +435,32 @@ def generate_shard(paths: ShardPaths, lease: Lease, api_key: str, settings: Gene
         done = pq.read_metadata(paths.output).num_rows
         failed = pq.read_metadata(paths.failures_output).num_rows
         log.info("shard %d already complete: %d completions, %d quarantined", paths.shard, done, failed)
+        _check_refused_share(paths, done + failed, failed, settings.max_error_share)
         return {"shard": paths.shard, "completed": done, "quarantined": failed, "generated_now": 0,
                 "path": str(paths.output), "server": None}
-    table = pq.read_table(paths.prompts, columns=["sample_id", "messages", "tools"])
+    table = pq.read_table(paths.prompts, columns=["sample_id", "messages", "tools", "prompt_tokens"])
     done_ids = read_done(paths.parts, paths.output)
     failed_ids = read_done(paths.failures, paths.failures_output)
     todo = [{**row, "shard": paths.shard} for row in table.to_pylist()
             if row["sample_id"] not in done_ids and row["sample_id"] not in failed_ids]
     server = lease.server
     try:
-        slots, revision = _server_facts(server, api_key)
+        slots, revision, context = _server_facts(server, api_key)
     except ServerUnhealthy as exc:
         mark_unhealthy(fleet_dir, server, str(exc))
         raise _shard_failed(paths.shard, server, exc, fleet_dir, api_key, len(done_ids) + len(failed_ids),
                             table.num_rows) from None
+    too_long = _too_long(todo, server, context, settings.max_tokens)
+    todo = [row for row in todo if row["sample_id"] not in too_long]
     in_flight = settings.in_flight or slots
     log.info("shard %d on %s: %d prompts, %d done before, %d quarantined before, %d to send, %d in flight",
              paths.shard, server.name, table.num_rows, len(done_ids), len(failed_ids), len(todo), in_flight)
-    gen = Generator(server, api_key, settings, in_flight, revision)
+    gen = Generator(server, api_key, settings, in_flight, revision, fleet_dir)
     pending_rows: list[dict] = []
     pending_failures: list[dict] = []
     stats = {"completed": 0, "output_tokens": 0, "reasoning_tokens": 0, "quarantined": 0}
+    pending_failures.extend({"location": sid, "stage": "generate", "reason": "too_long", "detail": why,
+                             "sample_id": sid} for sid, why in too_long.items())
     last_flush = last_log = time.monotonic()
 
     def flush() -> None:
@@ -405,7 +505,7 @@ def generate_shard(paths: ShardPaths, lease: Lease, api_key: str, settings: Gene
                                                  "sample_id": row["sample_id"]})
                         stats["quarantined"] += 1
                         continue
-                    except (ServerUnhealthy, TransientError) as exc:
+                    except (ServerUnhealthy, TransientError, AuthError) as exc:
                         if error is None or isinstance(error, _Stopped):  # keep the cause, not its echoes
                             error = exc
                         gen.stop.set()
@@ -426,6 +526,8 @@ def generate_shard(paths: ShardPaths, lease: Lease, api_key: str, settings: Gene
                         fut.cancel()
         finally:
             flush()  # keep every finished result, whatever happens next
+    if isinstance(error, AuthError):
+        raise error
     if error is not None:
         if isinstance(error, ServerUnhealthy):
             mark_unhealthy(fleet_dir, server, str(error))
@@ -437,6 +539,7 @@ def generate_shard(paths: ShardPaths, lease: Lease, api_key: str, settings: Gene
     quarantined = merge_parts(paths.failures, paths.failures_output, QUARANTINE_SCHEMA)
     log.info("shard %d complete on %s: %d completions, %d quarantined, %.1f s", paths.shard, server.name,
              completed, quarantined, time.monotonic() - started)
+    _check_refused_share(paths, completed + quarantined, quarantined, settings.max_error_share)
     return {"shard": paths.shard, "completed": completed, "quarantined": quarantined,
             "generated_now": stats["completed"], "output_tokens": stats["output_tokens"],
             "path": str(paths.output), "server": server.name, "seconds": round(time.monotonic() - started, 2)}

@@ -118,11 +118,17 @@ def plan_shards(source: Path, shards_dir: Path, quarantine_path: Path, settings:
             continue
         seen.add(digest)
         # A token is at least one byte, so only prompts with more bytes than the budget can be over-long.
-        tokens = counter.count(row) if row.text_bytes + 64 >= budget else None
+        limit = min(budget, settings.train_max_length or budget)
+        tokens = counter.count(row) if row.text_bytes + 64 >= limit else None
         if tokens is not None and tokens >= budget:
             rejected.append(Rejection(location, "too_long", f"{tokens:,} prompt tokens + max_tokens "
                                       f"{settings.max_tokens:,} exceed context_length {settings.context_length:,}",
                                       row.sample_id))
+            continue
+        if settings.train_max_length and tokens is not None and tokens >= settings.train_max_length:
+            rejected.append(Rejection(location, "over_train_max_length", f"{tokens:,} prompt tokens, past Param "
+                                      f"train_max_length={settings.train_max_length:,}: training would cut the "
+                                      "sample before its answer", row.sample_id))
             continue
         formats[row.format] = formats.get(row.format, 0) + 1
         for kind in row.repairs:
@@ -163,6 +169,12 @@ def plan_shards(source: Path, shards_dir: Path, quarantine_path: Path, settings:
                          f"the {settings.max_shards:,} mapped tasks Airflow allows ([core] max_map_length); set Param "
                          f"shard_size to at least {needed:,} (~1,000 keeps a shard's retry under ~10 minutes on a "
                          "B200 server), or raise max_map_length")
+    overlong = by_reason.get("over_train_max_length", 0)
+    if overlong > settings.max_overlong_share * total:
+        raise PlanFailed(f"{overlong:,} of {total:,} prompts ({overlong / total:.1%}) are longer than Param "
+                         f"train_max_length={settings.train_max_length:,} tokens by themselves, above Param "
+                         f"max_overlong_share={settings.max_overlong_share:.1%}; raise train_max_length to what "
+                         f"training will use, or drop those prompts; they are in {quarantine_path}")
     if share > settings.max_bad_share:
         examples = "; ".join(f"{r.location}: {r.reason} ({r.detail})" for r in rejected[:3])
         raise PlanFailed(f"{len(rejected):,} of {total:,} rows ({share:.1%}) are unusable, above Param "

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dflash_regen import atomic
+from dflash_regen.errors import GateFailed
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +32,7 @@ class QualitySettings:
     max_truncated_share: float = 0.05
     max_repetition: float = 0.5  # share of repeated 8-grams in the reasoning
     max_length: int = 4096  # SpecForge's Qwen3.6-27B recipe trains at 4096
-    max_overlong_share: float = 0.5
+    max_overlong_share: float = 0.1
 
 
 def repetition_score(text: str | None, n: int = 8) -> float:
@@ -64,13 +65,31 @@ def row_problem(row: dict, s: QualitySettings) -> str:
     return ""
 
 
+def problem_detail(row: dict, reason: str, s: QualitySettings) -> str:
+    """The measured value behind a row rule's reason, against its limit."""
+    if reason == "mask_length_mismatch":
+        return f"loss_mask has {row['mask_len']} entries for {row['n_tokens']} input_ids"
+    if reason == "truncated":
+        return f"finish_reason 'length' after {row['reasoning_tokens']} reasoning tokens ({row['n_tokens']} in all)"
+    if reason == "empty_answer_mask":
+        return (f"loss mask covers {row['loss_mask_sum']} tokens, at or below Param "
+                f"empty_mask_tokens={s.empty_mask_tokens}")
+    if reason == "degenerate_repetition":
+        return f"repetition score {row['repetition_score']:.3f} above Param max_repetition_score={s.max_repetition:g}"
+    return {"empty_content": "content has 0 characters and there is no tool call",
+            "think_marker_in_content": "the answer content holds <think> or </think>",
+            "no_reasoning": "thinking on, but 0 reasoning tokens",
+            "missing_tool_call": "tools were offered; neither a tool call nor content came back"}[reason]
+
+
 def apply_row_rules(rows: list[dict], s: QualitySettings) -> tuple[list[dict], list[dict]]:
-    """(kept rows, quarantined rows with a `reason`)."""
+    """(kept rows, quarantined rows with a `reason` and the measured value in `detail`)."""
     kept, quarantined = [], []
     for row in rows:
         problem = row_problem(row, s)
         if problem:
-            quarantined.append({"sample_id": row["sample_id"], "reason": problem})
+            quarantined.append({"sample_id": row["sample_id"], "reason": problem,
+                                "detail": problem_detail(row, problem, s)})
         else:
             kept.append(row)
     return kept, quarantined
@@ -158,9 +177,17 @@ def validate_run(run_dir: Path, expected_rows: int, s: QualitySettings, docs_dir
     import pyarrow.parquet as pq
 
     rows = [r for p in sorted((run_dir / "tokenized").glob("summary-*.parquet")) for r in pq.read_table(p).to_pylist()]
+    if not rows:
+        reasons = Counter(r for p in sorted((run_dir / "failures").glob("*.parquet"))
+                          for r in pq.read_table(p, columns=["reason"]).column("reason").to_pylist())
+        raise GateFailed(f"no samples to validate: every prompt of the run was quarantined before the quality gate "
+                         f"(by reason: {dict(reasons.most_common(5)) or 'none recorded'}; rows with the servers' "
+                         f"messages in {run_dir / 'failures'}); nothing will be published. Fix the cause (e.g. "
+                         "prompts longer than the servers' context length) and trigger a new run")
     kept, quarantined = apply_row_rules(rows, s)
     atomic.write_table(pa.Table.from_pylist(quarantined, schema=pa.schema([("sample_id", pa.string()),
-                                                                            ("reason", pa.string())])),
+                                                                            ("reason", pa.string()),
+                                                                            ("detail", pa.string())])),
                        run_dir / "quality" / "quarantine.parquet")
     report = run_suite(rows, expected_rows, s, docs_dir)
     report.update({"samples": len(rows), "kept": len(kept), "quarantined": len(quarantined),

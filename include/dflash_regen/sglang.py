@@ -14,7 +14,8 @@ Streaming: thinking answers can run to 32K tokens (~20 minutes), so a total time
 the response is streamed (SSE) and *silence* is the failure — `requests`' read timeout applies to each
 socket read, so it fires when no byte arrived for `stall_s` — with a generous overall cap on top. Errors
 are sorted here: `TransientError` (connection reset, 5xx, stall, an error event mid-stream) is worth
-retrying; `PromptError` (4xx) is the prompt's fault and goes to quarantine with the server's message.
+retrying; `PromptError` (4xx) is the prompt's fault and goes to quarantine with the server's message;
+`AuthError` (401/403) is the configuration's fault (the API key) and fails at once.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from typing import TypeVar
 import requests
 from requests.adapters import HTTPAdapter
 
-from dflash_regen.errors import DflashError, VersionRefused
+from dflash_regen.errors import DflashError, NotRetryable, VersionRefused
 
 log = logging.getLogger(__name__)
 
@@ -203,6 +204,25 @@ class TransientError(DflashError):
     """The request may succeed if sent again (possibly to another server)."""
 
 
+class ServerError(TransientError):
+    """HTTP 5xx: usually transient, but the same answer to one prompt on two servers makes it the prompt's."""
+
+    def __init__(self, status: int, message: str, base_url: str):
+        super().__init__(f"HTTP {status} from {base_url}: {message}")
+        self.status, self.message = status, message
+
+
+class AuthError(NotRetryable):
+    """HTTP 401/403: the server refuses our API key; no prompt and no retry can fix that."""
+
+    @classmethod
+    def of(cls, base_url: str, resp: requests.Response) -> AuthError:
+        return cls(f"{base_url} refused the API key with HTTP {resp.status_code} ({_error_message(resp)}): the key "
+                   "sent is not the server's --api-key. Relaunch the fleet (clear launch_fleet) so servers and "
+                   "clients share one key, or set the secret DFLASH_SGLANG_API_KEY to the key the servers were "
+                   "started with")
+
+
 class Cancelled(DflashError):
     """The caller's stop event was set mid-stream; the connection is closed, so SGLang aborts the request."""
 
@@ -315,8 +335,12 @@ def stream_chat(session: requests.Session, base_url: str, api_key: str, payload:
     except requests.RequestException as exc:
         raise TransientError(f"{type(exc).__name__} connecting to {base_url}: {exc}") from exc
     with resp:
-        if resp.status_code >= 500 or resp.status_code == 429:
+        if resp.status_code == 429:
             raise TransientError(f"HTTP {resp.status_code} from {base_url}: {_error_message(resp)}")
+        if resp.status_code >= 500:
+            raise ServerError(resp.status_code, _error_message(resp), base_url)
+        if resp.status_code in (401, 403):
+            raise AuthError.of(base_url, resp)
         if resp.status_code >= 400:
             raise PromptError(resp.status_code, _error_message(resp))
         try:
@@ -370,6 +394,8 @@ def reasoning_tokens(usage: dict) -> int:
 def read_json(resp: requests.Response, what: str) -> dict:
     if resp.status_code >= 500 or resp.status_code == 429:
         raise TransientError(f"{what} answered HTTP {resp.status_code}: {_error_message(resp)}")
+    if resp.status_code in (401, 403):
+        raise AuthError.of(what, resp)
     if resp.status_code >= 400:
         raise PromptError(resp.status_code, f"{what}: {_error_message(resp)}")
     try:
@@ -440,19 +466,33 @@ class Api:
                stop: threading.Event | None = None) -> ChatResult:
         return stream_chat(self.session, self.url, self.api_key, payload, stall_s=stall_s, cap_s=cap_s, stop=stop)
 
-    def answers(self, model: str, timeout_s: float) -> bool:
-        """The liveness probe: a real 1-token generation (`/health` can answer while the scheduler is
-        wedged, sglang#6624). Any HTTP answer, even a 5xx, means the scheduler is there."""
+    def context_length(self) -> int:
+        """The served model's context length (`/v1/models` `max_model_len`: the server's `--context-length`)."""
+        body = read_json(self._get("/v1/models"), f"{self.url}/v1/models")
+        try:
+            return int(body["data"][0]["max_model_len"])
+        except (KeyError, IndexError, TypeError, ValueError) as exc:
+            raise TransientError(f"{self.url}/v1/models lacks max_model_len ({exc!r})") from exc
+
+    def probe(self, model: str, timeout_s: float) -> int | None:
+        """HTTP status of a real 1-token generation (None: no answer). `/health` can answer while the
+        scheduler is wedged (sglang#6624)."""
         probe = {"model": model, "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}],
                  "chat_template_kwargs": {"enable_thinking": False}}
+        status = None
         for _ in range(2):  # one probe may meet the same transient fault as the request it checks
             try:
-                self.session.post(f"{self.url}/v1/chat/completions", json=probe, timeout=timeout_s,
-                                  headers=auth_headers(self.api_key))
-                return True
+                status = self.session.post(f"{self.url}/v1/chat/completions", json=probe, timeout=timeout_s,
+                                           headers=auth_headers(self.api_key)).status_code
             except requests.RequestException:
                 continue
-        return False
+            if status == 200:
+                break
+        return status
+
+    def answers(self, model: str, timeout_s: float) -> bool:
+        """The liveness probe: any HTTP answer, even a 5xx, means the scheduler is there."""
+        return self.probe(model, timeout_s) is not None
 
 
 class MetricsMissing(DflashError):

@@ -41,6 +41,18 @@ def test_one_server_with_low_allocation_fails_health_naming_only_it(launch):
     assert "server 2 " not in msg and "server 4 " not in msg
 
 
+def test_two_bad_servers_at_once_are_both_named(launch):
+    cfg, servers, key = launch(num_servers=3, emulator_faults={"0": {"kv_tokens": 200_000},
+                                                               "2": {"kv_tokens": 400_000}})
+    with pytest.raises(GateFailed) as info:
+        probes.health_gate(servers, key, cfg.fleet)
+    msg = str(info.value)
+    assert "failed on 2 of 3 servers" in msg
+    assert f"server 0 (GPU 0, 127.0.0.1:{cfg.fleet.base_port}): only 200,000 KV tokens" in msg
+    assert f"server 2 (GPU 2, 127.0.0.1:{cfg.fleet.base_port + 2}): only 400,000 KV tokens" in msg
+    assert "server 1 " not in msg
+
+
 def test_low_running_slots_fail_with_the_flags_that_raise_them(launch):
     cfg, servers, key = launch(num_servers=2, min_running_requests=32)
     with pytest.raises(GateFailed) as info:
@@ -133,3 +145,34 @@ def test_an_api_key_that_looks_like_a_flag_still_launches(launch, monkeypatch):
     _, servers, key = launch(num_servers=1)
     assert key == "-starts-with-a-dash"
     assert requests.get(f"{servers[0].url}/v1/models", timeout=5, headers={"Authorization": f"Bearer {key}"}).ok
+
+
+def test_a_live_run_holds_its_output_root_and_a_dead_runs_servers_are_reaped(launch, tmp_path):
+    from dflash_regen import runlock
+    from dflash_regen.errors import RunLocked
+
+    cfg, servers, _ = launch(num_servers=2)  # run "test_run", whose (`airflow dags test`) process is `holder`
+    script = ("import sys; from pathlib import Path; from dflash_regen import runlock; "
+              "runlock.acquire(Path(sys.argv[1]), 'test_run', 'test_run', lambda r: False); sys.stdin.read()")
+    holder = subprocess.Popen([sys.executable, "-c", script, str(cfg.output_root)], stdin=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 30
+        while runlock.read_holder(cfg.output_root) is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        # The same logical date triggered again (same run id, another process) is refused, as is another run.
+        for run_id in ("test_run", "other"):
+            with pytest.raises(RunLocked, match=rf"^output root {cfg.output_root} is held by run 'test_run' since .* "
+                                                rf"\(its process \(pid {holder.pid} on .*\) is still running\).*"
+                                                "set Param output_root to another directory"):
+                runlock.acquire(cfg.output_root, run_id, run_id, lambda r: False)
+        assert runlock.reap_orphans(cfg.output_root, "other") == []  # not the holder: reaps nothing
+    finally:
+        holder.kill()
+        holder.wait()
+    # The holder's process is gone: a run Airflow still reports running keeps the lock, a finished one does not.
+    with pytest.raises(RunLocked, match="Airflow reports it running"):
+        runlock.acquire(cfg.output_root, "other", "other", lambda r: r == "test_run")
+    runlock.acquire(cfg.output_root, "other", "other", lambda r: False)
+    assert all(fleet.is_alive(s) for s in servers)
+    stopped = runlock.reap_orphans(cfg.output_root, "other")
+    assert len(stopped) == 2 and not any(fleet.is_alive(s) for s in servers)

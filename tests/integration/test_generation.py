@@ -76,6 +76,21 @@ def test_leases_are_exclusive_and_a_dead_server_is_not_leased(launch):
     lease.release()
 
 
+def test_a_dead_server_is_never_leased_whichever_server_a_shard_prefers(launch):
+    cfg, servers, _ = launch(num_servers=2)
+    dead, live = servers
+    os.kill(dead.pid, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while is_alive(dead) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    for shard in range(4):  # every preference order, whatever it is, has the dead server first for some shard
+        lease = generation.lease_server(cfg.fleet_dir, servers, shard, wait_s=1)
+        assert lease.server.index == live.index, f"shard {shard} leased the dead {lease.server.name}"
+        with pytest.raises(generation.NoServerFree):  # the live one is taken: the dead one is no fallback
+            generation.lease_server(cfg.fleet_dir, servers, shard, wait_s=0.3)
+        lease.release()
+
+
 def test_server_killed_mid_shard_fails_over_with_nothing_lost_or_duplicated(launch, tmp_path):
     cfg, servers, key = launch(num_servers=2, emulator_profile={"decode_tokens_per_s": 4000, "startup_s": 0.1})
     shard = plan(cfg, tmp_path, n=60, shard_size=60)["shards"][0]
@@ -174,16 +189,30 @@ def test_errors_and_hangs_are_retried_until_every_sample_is_produced(launch, tmp
 
 
 def test_prompts_the_server_rejects_are_quarantined_with_its_message(launch, tmp_path):
-    cfg, _, key = launch(num_servers=1, server_flags="--context-length 20000", max_tokens=16384)
+    cfg, _, key = launch(num_servers=1, emulator_faults={"*": {"error_substring": "REJECT", "error_status": 400}})
+    rows = [{"id": "short", "messages": [{"role": "user", "content": "hi"}]},
+            {"id": "bad", "messages": [{"role": "user", "content": "REJECT me"}]}]
+    shard = plan(cfg, tmp_path, rows=rows)["shards"][0]
+    result, _ = run_shard(cfg, key, shard, max_error_share=0.5)
+    assert result["completed"] == 1 and result["quarantined"] == 1
+    failure = pq.read_table(cfg.run_dir / "failures" / "shard-00000.parquet").to_pylist()[0]
+    assert failure["sample_id"] == "bad" and failure["reason"] == "http_400"
+    assert "HTTP 400: Failed to apply the chat template" in failure["detail"]
+
+
+def test_prompts_longer_than_the_servers_own_context_are_quarantined_before_sending(launch, tmp_path):
+    # Planning checked Param context_length (262,144); the server was launched with 20,000.
+    cfg, servers, key = launch(num_servers=1, server_flags="--context-length 20000", max_tokens=16384)
     long = " ".join(f"word{i}" for i in range(6000))
     rows = [{"id": "short", "messages": [{"role": "user", "content": "hi"}]},
             {"id": "long", "messages": [{"role": "user", "content": long}]}]
     shard = plan(cfg, tmp_path, rows=rows)["shards"][0]
-    result, _ = run_shard(cfg, key, shard)
+    result, _ = run_shard(cfg, key, shard, max_error_share=0.5)
     assert result["completed"] == 1 and result["quarantined"] == 1
     failure = pq.read_table(cfg.run_dir / "failures" / "shard-00000.parquet").to_pylist()[0]
-    assert failure["sample_id"] == "long" and failure["reason"] == "http_400"
-    assert "maximum context length" in failure["detail"] or "longer than the model's context" in failure["detail"]
+    assert failure["sample_id"] == "long" and failure["reason"] == "too_long"
+    assert f"+ max_tokens 16,384 exceed the context length 20,000 of {servers[0].name}; not sent. Set Param " \
+           "context_length to 20,000" in failure["detail"]
 
 
 def test_truncated_and_empty_answers_are_recorded_not_dropped_and_may_be_retried_once(launch, tmp_path):
@@ -212,3 +241,113 @@ def test_regenerate_history_replaces_earlier_assistant_turns_with_the_models_own
     turns = json.loads(pq.read_table(regen["path"]).to_pylist()[0]["assistant_turns"])
     assert len(turns) == 2 and all(t["reasoning_content"] and t["content"] for t in turns)
     assert turns[0]["content"] != "ORIGINAL ANSWER"
+
+
+SHARD_PROCESS = """
+import json, os, signal, sys, time
+from pathlib import Path
+sys.path.insert(0, {tests!r})
+from dflash_regen.config import RunConfig
+from test_generation import run_shard
+job = json.load(open({job!r}))
+if job.get("die_on_part_unlink"):  # SIGKILL between the merged file's rename and the parts' removal
+    for name in ("unlink", "remove"):
+        real = getattr(os, name)
+        def die(path, *a, _real=real, **k):
+            if Path(path).name.startswith("part-"):
+                os.kill(os.getpid(), signal.SIGKILL)
+            return _real(path, *a, **k)
+        setattr(os, name, die)
+Path(job["ready"]).touch()
+while not Path(job["go"]).exists():  # start together with the other shard process, if any
+    time.sleep(0.01)
+result, server = run_shard(RunConfig.from_params(job["params"], "test_run"), job["key"], job["shard"])
+print(json.dumps({{"generated_now": result["generated_now"], "server": server.index}}))
+"""
+
+
+def start_shard_process(cfg, key, shard, tmp_path, name, **job):
+    job_file = tmp_path / f"{name}.json"
+    job_file.write_text(json.dumps({"params": cfg.params, "shard": shard, "key": key, "go": str(tmp_path / "go"),
+                                    "ready": str(tmp_path / f"{name}.ready"), **job}))
+    script = SHARD_PROCESS.format(tests=str(Path(__file__).parent), job=str(job_file))
+    return subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+
+
+def start_together(tmp_path, procs, names):
+    deadline = time.monotonic() + 60
+    while not all((tmp_path / f"{n}.ready").exists() for n in names) and time.monotonic() < deadline:
+        assert all(p.poll() is None for p in procs), "a shard process ended before the start"
+        time.sleep(0.02)
+    (tmp_path / "go").touch()
+
+
+def test_two_shard_processes_racing_on_one_shard_leave_each_sample_once(launch, tmp_path):
+    # Airflow can run one shard twice at once (a zombie task and its retry): each leases its own server and
+    # sends every sample, so the checkpoint parts really hold each sample twice.
+    cfg, _, key = launch(num_servers=2)
+    shard = plan(cfg, tmp_path, n=24, shard_size=24)["shards"][0]
+    procs = [start_shard_process(cfg, key, shard, tmp_path, name) for name in ("a", "b")]
+    start_together(tmp_path, procs, ["a", "b"])
+    outs = [json.loads(p.communicate(timeout=120)[0].splitlines()[-1]) for p in procs]
+    assert all(p.returncode == 0 for p in procs)
+    assert {o["server"] for o in outs} == {0, 1}
+    assert sum(o["generated_now"] for o in outs) > 24, "the race produced no duplicate work"
+    got = ids_of(cfg.run_dir / "completions" / "shard-00000.parquet")
+    assert sorted(got) == sorted(ids_of(shard["path"])) and len(got) == len(set(got))
+
+
+def test_a_kill_between_merge_and_unlink_leaves_duplicates_the_retry_removes(launch, tmp_path):
+    cfg, _, key = launch(num_servers=1)
+    shard = plan(cfg, tmp_path, n=12, shard_size=12)["shards"][0]
+    proc = start_shard_process(cfg, key, shard, tmp_path, "a", die_on_part_unlink=True)
+    start_together(tmp_path, [proc], ["a"])
+    proc.communicate(timeout=120)
+    assert proc.returncode == -signal.SIGKILL
+    merged = cfg.run_dir / "completions" / "shard-00000.parquet"
+    parts = list((cfg.run_dir / "completions" / "shard-00000").glob("part-*.parquet"))
+    on_disk = ids_of(merged) + [i for p in parts for i in ids_of(p)]
+    assert len(on_disk) == 24  # every sample twice: in the merged file and still in its parts
+    result, _ = run_shard(cfg, key, shard)
+    got = ids_of(result["path"])
+    assert result["generated_now"] == 0
+    assert sorted(got) == sorted(ids_of(shard["path"])) and len(got) == len(set(got)) == 12
+
+
+POISON_ROWS = [{"id": f"ok{i}", "messages": [{"role": "user", "content": f"Tell me about topic {i}."}]}
+               for i in range(5)] + [{"id": "poison", "messages": [{"role": "user", "content": "Call {tool} POISON"}]}]
+
+
+def test_a_prompt_two_servers_fail_is_quarantined_and_the_shard_goes_on(launch, tmp_path):
+    cfg, servers, key = launch(num_servers=2, emulator_faults={"*": {"error_substring": "POISON"}})
+    shard = plan(cfg, tmp_path, rows=POISON_ROWS)["shards"][0]
+    result, server = run_shard(cfg, key, shard, request_retries=1, max_error_share=0.5)
+    assert result["completed"] == 5 and result["quarantined"] == 1
+    (failure,) = pq.read_table(cfg.run_dir / "failures" / "shard-00000.parquet").to_pylist()
+    assert failure["sample_id"] == "poison" and failure["reason"] == "http_500" and failure["stage"] == "generate"
+    assert all(s.name in failure["detail"] for s in servers)
+    assert "Failed to apply the chat template" in failure["detail"]
+    assert not list(cfg.fleet_dir.glob("unhealthy-*"))  # both answer every other prompt: neither is unhealthy
+    # Above the Param's share the shard fails at once, naming the Param and a refused sample.
+    with pytest.raises(generation.TooManyPromptErrors, match=r"refused 1 of 6 prompts \(16.7%\), above Param "
+                                                             r"max_generate_error_share=10.0%; e.g. poison: http_500"):
+        run_shard(cfg, key, shard, max_error_share=0.1)
+
+
+def test_a_prompt_only_one_server_fails_is_answered_by_the_other(launch, tmp_path):
+    cfg, servers, key = launch(num_servers=2, emulator_faults={"0": {"error_substring": "POISON"}})
+    shard = plan(cfg, tmp_path, rows=POISON_ROWS)["shards"][0]  # shard 0 leases server 0 first
+    result, server = run_shard(cfg, key, shard, request_retries=1)
+    assert server.index == 0 and result["completed"] == 6 and result["quarantined"] == 0
+    rows = {r["sample_id"]: r["server"] for r in pq.read_table(result["path"]).to_pylist()}
+    assert rows["poison"] == servers[1].name and rows["ok0"] == servers[0].name
+
+
+def test_a_wrong_api_key_fails_the_shard_at_once_naming_the_setting(launch, tmp_path):
+    cfg, _, _ = launch(num_servers=1)
+    shard = plan(cfg, tmp_path, n=6, shard_size=6)["shards"][0]
+    started = time.monotonic()
+    with pytest.raises(generation.AuthError, match="refused the API key with HTTP 401.*DFLASH_SGLANG_API_KEY"):
+        run_shard(cfg, "not-the-key", shard)
+    assert time.monotonic() - started < 10  # not retried with backoff
+    assert not (cfg.run_dir / "failures" / "shard-00000").exists()  # nothing quarantined

@@ -260,6 +260,8 @@ def test_faults_merge_star_with_the_gpus_own_entry():
     ("DFLASH_EMU_FAULTS", '{"0": {"kv_tokenz": 1}}', "DFLASH_EMU_FAULTS: unknown key 'kv_tokenz' (GPU '0')"),
     ("DFLASH_EMU_FAULTS", '{"9": {"hang_rate": 2}}', "key 'hang_rate' (GPU '9') = 2 is invalid: must be between 0"),
     ("DFLASH_EMU_FAULTS", '{"0": {"empty_content": 1}}', "must be true or false"),
+    ("DFLASH_EMU_FAULTS", '{"*": {"error_status": 200}}', "key 'error_status' (GPU '*') = 200 is invalid: must be "
+                                                          "an HTTP error status"),
     ("DFLASH_EMU_PROFILE", '{"decode_tokens_per_s": 0}', "key 'decode_tokens_per_s' = 0 is invalid: must be > 0"),
     ("DFLASH_EMU_PROFILE", '{"speed": 1}', "DFLASH_EMU_PROFILE: unknown key 'speed'; known keys: decode_tokens"),
     ("DFLASH_EMU_PROFILE", "[1]", "DFLASH_EMU_PROFILE must be a JSON object"),
@@ -292,3 +294,37 @@ def test_a_preset_profile_loads_and_other_keys_override_it():
         load_profile({"DFLASH_EMU_PROFILE": '{"preset": "a100"}'})
     with pytest.raises(EmulatorConfigError, match="a batch cannot be slower than one request"):
         load_profile({"DFLASH_EMU_PROFILE": '{"decode_tokens_per_s": 300, "saturation_tokens_per_s": 100}'})
+
+
+# Prompt text that breaks naive string handling: format fields and specs, %-formatting, regex and markup
+# metacharacters, the model's own control tokens, odd Unicode (RTL, zero-width, combining, emoji, lone surrogates).
+NASTY = ["{", "}", "{}", "{0}", "{topic}", "{echo!r:>{width}}", "{:%Y-%m-%d}", "{{}}", "}{", "{a[0].b}",
+         "%s %d %(x)s %", "\\", "\\u0000", "\x00\x01\x7f", "$1 \\1 (?P<x>", "<think>", "</think>", "<|im_end|>",
+         "<tool_call><function=x><parameter=y>", "</parameter></function></tool_call>", "```", "\u202e\u200b\ufeff",
+         "e\u0301\u0301\u0301", "\U0001F600\U0001F9D1\u200d\U0001F4BB", "\ud800", "\udfff", "日本語の文章？", "",
+         " ", "\n\n\n", "a" * 5000, "{" * 300, 'Explain {"type": "object", "properties": {"x": {"type": "int"}}}.']
+TOOL = {"type": "function", "function": {"name": "lookup", "parameters": {
+    "type": "object", "properties": {"query": {"type": "string"}, "n": {"type": "integer"}}, "required": ["query"]}}}
+
+
+def _fuzz_texts() -> list[str]:
+    import random
+
+    rng = random.Random(15)
+    alphabet = "{}[]()%:!<>=/\\\"'`$#?.,\n\t xyz01" + "\u0301\u200b\u202e\U0001F600\ud83d日é"
+    made = ["".join(rng.choice(alphabet) for _ in range(rng.randint(1, 80))) for _ in range(150)]
+    return NASTY + [f"Write a Python function to {t} please" for t in NASTY] + made
+
+
+def test_the_emulated_model_answers_any_prompt_text():
+    for i, text in enumerate(_fuzz_texts()):
+        messages = [{"role": "system", "content": text}, {"role": "user", "content": text}]
+        tools = [TOOL] if i % 3 == 0 else None
+        gen = model.generate(model.ModelInput(messages=messages, tools=tools, seed=i), Profile(), limit=2000)
+        assert gen.token_ids, repr(text)
+        model.decode(gen.token_ids)
+        call = {"id": "c", "type": "function", "function": {"name": "lookup", "arguments": "{}"}}
+        after_tool = messages + [{"role": "assistant", "content": "", "tool_calls": [call]},
+                                 {"role": "tool", "content": text}]
+        assert model.generate(model.ModelInput(messages=after_tool, tools=[TOOL]), Profile(), limit=500).token_ids
+        model.render_prompt(messages, tools, True)

@@ -153,3 +153,19 @@ def test_more_shards_than_airflow_can_map_are_refused_with_the_count_and_the_sha
     assert not (tmp_path / "shards" / "plan.json").exists()
     fits = PlanSettings(shard_size=3, max_tokens=1000, context_length=4096, max_bad_share=0.5, max_shards=10)
     assert len(plan_shards(src, tmp_path / "shards", tmp_path / "q.parquet", fits)["shards"]) == 9
+
+
+def test_prompts_past_train_max_length_are_counted_quarantined_and_bounded(tmp_path):
+    # The audit's 200K-token prompt was accepted and published against train_max_length 4,096.
+    long_text = " ".join(f"w{i}" for i in range(3000))  # ~6,000 tokens: fits the context, not the training length
+    src = write_rows(tmp_path / "p.jsonl", [user(long_text, id="long")] + [user(f"q{i}") for i in range(19)])
+    settings = PlanSettings(shard_size=10, max_tokens=1000, context_length=262144, max_bad_share=0.5,
+                            train_max_length=4096, max_overlong_share=0.1)
+    plan = plan_shards(src, tmp_path / "shards", tmp_path / "q.parquet", settings)
+    assert plan["accepted"] == 19 and plan["quarantined_by_reason"] == {"over_train_max_length": 1}
+    (row,) = pq.read_table(tmp_path / "q.parquet").to_pylist()
+    assert row["sample_id"] == "long" and "prompt tokens, past Param train_max_length=4,096" in row["detail"]
+    strict = PlanSettings(**{**settings.__dict__, "max_overlong_share": 0.01})
+    with pytest.raises(PlanFailed, match=r"^1 of 20 prompts \(5.0%\) are longer than Param train_max_length=4,096 "
+                                         r"tokens by themselves, above Param max_overlong_share=1.0%"):
+        plan_shards(src, tmp_path / "shards2", tmp_path / "q2.parquet", strict)

@@ -61,3 +61,25 @@ def test_a_crash_mid_publish_leaves_no_visible_version_and_stale_tmp_is_cleaned(
 
 def test_hidden_state_estimate_matches_the_seeds_order_of_magnitude():
     assert 80 < publish.hidden_state_bytes(1_640_000_000) / 1e12 < 95
+
+
+def test_publish_run_refuses_counts_that_do_not_reconcile(tmp_path):
+    # 5 prompts planned, but the run's files account for 3 published + 1 quarantined: one sample is lost.
+    run = tmp_path / "run"
+    (run / "tokenized").mkdir(parents=True)
+    (run / "failures").mkdir()
+    (run / "completions").mkdir()
+    ids = ["a", "b", "c"]
+    pq.write_table(pa.table({"sample_id": ids, "n_tokens": [10] * 3}), run / "tokenized" / "shard-00000.parquet")
+    (run / "tokenized" / "conversations-00000.jsonl").write_text(
+        "".join(json.dumps({"id": i, "conversations": []}) + "\n" for i in ids))
+    pq.write_table(pa.table({"sample_id": ids, "server": ["s0"] * 3, "completion_tokens": [5] * 3,
+                             "latency_s": [1.0] * 3}), run / "completions" / "shard-00000.parquet")
+    pq.write_table(pa.table({"location": ["p:4"], "stage": ["plan"], "reason": ["bad_role"], "detail": ["x"],
+                             "sample_id": ["d"]}), run / "failures" / "plan.parquet")
+    plan = {"rows": 5, "source": "p", "fingerprint": "f"}
+    quality = {"success": True, "statistics": {}, "expectations": [], "quarantined_by_reason": {}}
+    dest = tmp_path / "published" / "ds" / "v1"
+    with pytest.raises(PublishRefused, match=r"counts do not reconcile: 5 prompts but 3 published \+ 1 quarantined"):
+        publish.publish_run(run, dest, plan, quality, {}, tmp_path / "model")
+    assert not dest.exists()

@@ -56,7 +56,8 @@ def test_the_seeds_dataset_fails_the_suite_and_writes_data_docs(tmp_path):
 def test_a_clean_run_passes_after_row_rules_quarantine_a_few(tmp_path):
     rows = [good(i) for i in range(200)] + [good(900, finish_reason="length", content_chars=0)]
     kept, quarantined = apply_row_rules(rows, S)
-    assert quarantined == [{"sample_id": "s900", "reason": "truncated"}]
+    assert quarantined == [{"sample_id": "s900", "reason": "truncated",
+                            "detail": "finish_reason 'length' after 500 reasoning tokens (900 in all)"}]
     report = run_suite(rows, expected_rows=201, s=S, docs_dir=tmp_path / "docs")
     assert report["success"] is True, report["expectations"]
 
@@ -81,3 +82,27 @@ def test_missing_reasoning_counts_only_where_thinking_was_on(tmp_path):
     report = run_suite(missing + on, expected_rows=100, s=S, docs_dir=tmp_path / "b")
     reasoning = next(e for e in report["expectations"] if e["kwargs"].get("column") == "reasoning_tokens")
     assert report["success"] is False and reasoning["success"] is False
+
+
+def test_quarantined_rows_keep_the_measured_value_against_its_limit():
+    rows = [good(1, repetition_score=0.8123), good(2, loss_mask_sum=6), good(3, mask_len=899)]
+    _, quarantined = apply_row_rules(rows, S)
+    assert [q["detail"] for q in quarantined] == [
+        "repetition score 0.812 above Param max_repetition_score=0.5",
+        "loss mask covers 6 tokens, at or below Param empty_mask_tokens=6",
+        "loss_mask has 899 entries for 900 input_ids"]
+
+
+def test_a_run_with_no_sample_left_fails_validation_with_the_reasons(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from dflash_regen.errors import GateFailed
+    from dflash_regen.quality import validate_run
+
+    (tmp_path / "failures").mkdir()
+    pq.write_table(pa.table({"sample_id": ["a", "b"], "reason": ["http_400", "http_400"]}),
+                   tmp_path / "failures" / "shard-00000.parquet")
+    with pytest.raises(GateFailed, match=r"^no samples to validate: every prompt of the run was quarantined before "
+                                         r"the quality gate \(by reason: \{'http_400': 2\}"):
+        validate_run(tmp_path, 0, S, tmp_path / "docs")

@@ -49,6 +49,9 @@ Environment
 - `loop_rate` (float 0-1), `loop_substring` (str): prompts whose last user message contains the
   substring, or a `loop_rate` share of prompts (decided per prompt + seed, so a retry loops again), get
   a reasoning that repeats one sentence until `max_tokens` (finish_reason "length").
+- `error_substring` (str), `error_status` (int 400-599, default 500): a poison prompt. Every chat completion
+  whose last user message contains the substring is answered `error_status` with SGLang's error body (a
+  chat-template failure), on every server that has the fault and on every try; other prompts are served.
 
 "Arrives" counts every POST /v1/chat/completions that passed the API-key check, valid or not. The
 error/hang draws come from one RNG per server, seeded by its GPU id, drawn for every arrival in order: a

@@ -35,6 +35,8 @@ class Faults:
     dead_scheduler_after_requests: int | None = None
     loop_rate: float = 0.0
     loop_substring: str | None = None
+    error_substring: str | None = None
+    error_status: int = 500
 
     def describe(self) -> str:
         active = {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) != f.default}
@@ -109,6 +111,8 @@ def _check_value(var: str, where: str, name: str, value, field_type: str):
         value = float(value)
     if name in _RATES and not 0 <= value <= 1:
         raise bad("must be between 0 and 1")
+    if name == "error_status" and not 400 <= value <= 599:
+        raise bad("must be an HTTP error status, 400 to 599")
     if name in _POSITIVE and value <= 0:
         raise bad("must be > 0")
     if value < 0:

@@ -287,7 +287,11 @@ class _TextBuilder:
         self.fill = fill
 
     def add(self, sentence: str, sep: str = " ") -> None:
-        text = sentence.format(**self.fill)
+        """A bank sentence: its `{topic}`-style fields are filled in (banks are ours, never prompt text)."""
+        self.add_text(sentence.format(**self.fill), sep)
+
+    def add_text(self, text: str, sep: str = " ") -> None:
+        """Text that may hold the prompt's own words, braces and all: added as it is, never formatted."""
         piece = (sep if self.parts else "") + text
         self.parts.append(piece)
         self.tokens += len(encode(piece))
@@ -374,7 +378,7 @@ def generate(inp: ModelInput, profile: Profile, limit: int) -> Generation:
     think_end = None
     if inp.enable_thinking:
         reasoning = _TextBuilder(fill)
-        reasoning.add(_opener(user, rng))
+        reasoning.add_text(_opener(user, rng))
         if inp.loop:
             for sentence in rng.sample(REASONING_GENERAL, 3):
                 reasoning.add(sentence)
@@ -419,7 +423,7 @@ def _answer(inp: ModelInput, fill: dict[str, str], coding: bool, target: int, rn
     last = inp.messages[-1] if inp.messages else {}
     if last.get("role") == "tool":
         result = _echo(message_text(last.get("content")), 30) or "no data"
-        answer.add(f"Based on the tool result ({result}), here is what I found.")
+        answer.add_text(f"Based on the tool result ({result}), here is what I found.")
     elif coding:
         name = fill["name"]
         answer.add(f"Here's a Python function `{name}`:\n\n```python\nimport math\n\n\ndef {name}(n: int) -> bool:\n"

@@ -483,6 +483,12 @@ async def _chat(emu: Emulator, request: Request):
             "completion to fit within the limit.", "BadRequestError", 400)
     if plan.http_error:
         return _injected_error(plan.http_error)
+    poison = emu.faults.error_substring
+    if poison and poison in emulated.last_user_text(messages):
+        status = emu.faults.error_status
+        return error_response(f"Failed to apply the chat template to this request: unexpected text {poison!r} "
+                              "(injected by DFLASH_EMU_FAULTS error_substring)",
+                              "InternalServerError" if status >= 500 else "BadRequestError", status)
     if plan.hang:
         if req.stream:
             return StreamingResponse(_silence(), media_type="text/event-stream")
