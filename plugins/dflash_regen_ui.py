@@ -4,29 +4,86 @@ The pages are the library's FastAPI app (`dflash_regen.report_pages`), mounted a
 app gets no authentication from Airflow, so every route requires Airflow's own `get_user` (the UI's `_token`
 cookie or a Bearer token): anonymous requests get 401. Runs are read from the api-server's output root
 (env DFLASH_OUTPUT_ROOT, the form's default) and nothing outside it is served.
+
+Run and task states come from Airflow's metadata DB, read-only, through the api-server's own session: the run
+folder cannot tell a run the operator marked failed, a task killed before it wrote anything, or Airflow's run
+id and dates; the DB can, at the cost of two small indexed queries per page view.
 """
 
+from datetime import datetime
 from pathlib import Path
+from urllib.parse import quote
 
 from airflow.api_fastapi.core_api.security import get_user
+from airflow.models.dagrun import DagRun
+from airflow.models.taskinstance import TaskInstance
 from airflow.plugins_manager import AirflowPlugin
+from airflow.utils.session import create_session
+from sqlalchemy import select
 
 from dflash_regen.config import DEFAULTS
 from dflash_regen.report_pages import build_app
 
 PREFIX = "/dflash"
+DAG_ID = "dflash_regen"
+RUNS_LISTED = 200
+
+
+def _ts(value: datetime | None) -> float | None:
+    return value.timestamp() if value else None
+
+
+class AirflowRuns:
+    """The DAG's runs and task instances as plain dicts (what `report_pages` expects of `airflow`)."""
+
+    dag_id = DAG_ID
+
+    def runs(self) -> list[dict]:
+        with create_session() as session:
+            rows = session.execute(select(DagRun.run_id, DagRun._state, DagRun.start_date, DagRun.end_date,
+                                          DagRun.run_after).where(DagRun.dag_id == DAG_ID)
+                                   .order_by(DagRun.run_after.desc()).limit(RUNS_LISTED)).all()
+        return [{"run_id": r[0], "state": r[1], "start": _ts(r[2]), "end": _ts(r[3]), "run_after": _ts(r[4])}
+                for r in rows]
+
+    def run(self, run_id: str) -> dict | None:
+        with create_session() as session:
+            run = session.execute(select(DagRun.run_id, DagRun._state, DagRun.start_date, DagRun.end_date,
+                                         DagRun.run_after)
+                                  .where(DagRun.dag_id == DAG_ID, DagRun.run_id == run_id)).first()
+            if run is None:
+                return None
+            tis = session.execute(select(TaskInstance.task_id, TaskInstance.map_index, TaskInstance.state,
+                                         TaskInstance.try_number, TaskInstance.start_date, TaskInstance.end_date)
+                                  .where(TaskInstance.dag_id == DAG_ID, TaskInstance.run_id == run_id)).all()
+        return {"run_id": run[0], "state": run[1], "start": _ts(run[2]), "end": _ts(run[3]), "run_after": _ts(run[4]),
+                "tasks": [{"task_id": t[0], "map_index": t[1], "state": t[2], "try_number": t[3],
+                           "start": _ts(t[4]), "end": _ts(t[5])} for t in tis]}
+
+
+def _icon(path: str) -> str:
+    """A 24 px line icon as a data: URL (the tab bar shows it with <img>; no request, works offline)."""
+    svg = (f"<svg xmlns='http://www.w3.org/2000/svg' viewBox='0 0 24 24' fill='none' stroke='#758195' "
+           f"stroke-width='2' stroke-linecap='round' stroke-linejoin='round'>{path}</svg>")
+    return "data:image/svg+xml;utf8," + quote(svg, safe="")
+
+
+QUALITY_ICON = _icon("<path d='M9 11l3 3 8-8'/><path d='M20 12v7a2 2 0 0 1-2 2H6a2 2 0 0 1-2-2V5a2 2 0 0 1 2-2h9'/>")
+FLEET_ICON = _icon("<rect x='3' y='4' width='18' height='6' rx='1'/><rect x='3' y='14' width='18' height='6' rx='1'/>"
+                   "<path d='M7 7h.01M7 17h.01'/>")
+RUNS_ICON = _icon("<path d='M8 6h13M8 12h13M8 18h13M3 6h.01M3 12h.01M3 18h.01'/>")
 
 
 class DflashRegenUI(AirflowPlugin):
     name = "dflash_regen_ui"
-    fastapi_apps = [{"app": build_app(Path(DEFAULTS["output_root"]), get_user), "url_prefix": PREFIX,
+    fastapi_apps = [{"app": build_app(Path(DEFAULTS["output_root"]), get_user, AirflowRuns()), "url_prefix": PREFIX,
                      "name": "dflash-regen reports"}]
     # With url_route the UI shows the page inside Airflow (an iframe); {RUN_ID} is filled in on run pages.
     external_views = [
         {"name": "dflash-regen runs", "href": f"{PREFIX}/", "destination": "nav", "category": "browse",
-         "url_route": "dflash-runs"},
+         "url_route": "dflash-runs", "icon": RUNS_ICON},
         {"name": "Data quality", "href": f"{PREFIX}/runs/{{RUN_ID}}/quality", "destination": "dag_run",
-         "url_route": "dflash-quality"},
+         "url_route": "dflash-quality", "icon": QUALITY_ICON},
         {"name": "Fleet", "href": f"{PREFIX}/runs/{{RUN_ID}}/fleet", "destination": "dag_run",
-         "url_route": "dflash-fleet"},
+         "url_route": "dflash-fleet", "icon": FLEET_ICON},
     ]

@@ -60,22 +60,64 @@ def histogram(bins: list[dict], *, highlight_at_or_below: float, x_title: str, y
     return _svg(parts + _axes(y_max, labels, x_title, y_title), f"histogram of {x_title}")
 
 
-def time_series(series: dict[str, list[float]], *, bin_s: float, x_title: str, y_title: str) -> str:
-    """One line per name over equal time bins starting at 0; a legend below names the colours."""
+def _elapsed(seconds: float) -> str:
+    seconds = int(seconds)
+    h, rem = divmod(seconds, 3600)
+    m, s = divmod(rem, 60)
+    return f"{h}h{m:02d}" if h else (f"{m}m{s:02d}" if m else f"{s}s")
+
+
+MARK_COLOURS = {"shard failed": "#d62728", "server unhealthy": "#d62728", "retry": "#e67e22", "relaunch": "#6a3d9a"}
+
+
+def time_series(series: dict[str, list[float]], *, bin_s: float, x_title: str, y_title: str,
+                ticks: list[dict] = (), breaks: list[dict] = (), marks: list[dict] = ()) -> str:
+    """One line per name over equal time bins; a legend below names the colours.
+
+    `ticks` ({at, elapsed_s}) label the x axis at bin positions (elapsed time since the start); `breaks`
+    ({at, idle_s}) are pauses cut out of the axis, drawn as a gap with their length; `marks` ({at_bin, kind,
+    text}) are incidents, a numbered vertical line each (the number refers to the incident list).
+    """
     if not series or bin_s <= 0:
-        return '<p class="muted">no data yet</p>'
+        return '<p class="muted">no answers yet</p>'
     n = max(len(v) for v in series.values())
     y_max = max((max(v) for v in series.values() if v), default=0) or 1
     plot_w, plot_h = WIDTH - PAD_L - 4, HEIGHT - PAD_B - PAD_T
     dx = plot_w / max(n - 1, 1)
+    cuts = sorted({int(b["at"]) for b in breaks})
     parts = []
     for k, (name, values) in enumerate(series.items()):
-        points = " ".join(f"{PAD_L + i * dx:.1f},{HEIGHT - PAD_B - plot_h * v / y_max:.1f}"
-                          for i, v in enumerate(values))
-        parts.append(f'<polyline fill="none" stroke="{PALETTE[k % len(PALETTE)]}" stroke-width="1.6" '
-                     f'points="{points}"><title>{escape(name)}</title></polyline>')
+        # one polyline per stretch of work: a line across a cut-out pause would invent throughput
+        for lo, hi in zip([0, *cuts], [*cuts, len(values)], strict=True):
+            points = " ".join(f"{PAD_L + i * dx:.1f},{HEIGHT - PAD_B - plot_h * values[i] / y_max:.1f}"
+                              for i in range(lo, hi))
+            parts.append(f'<polyline fill="none" stroke="{PALETTE[k % len(PALETTE)]}" stroke-width="1.6" '
+                         f'points="{points}"><title>{escape(name)}</title></polyline>')
+    for b in breaks:
+        x = PAD_L + (b["at"] - 0.5) * dx
+        parts.append(f'<line class="break" x1="{x:.1f}" y1="{PAD_T}" x2="{x:.1f}" y2="{HEIGHT - PAD_B}"/>'
+                     f'<text class="break" x="{x + 3:.1f}" y="{PAD_T + 10}">{escape(_elapsed(b["idle_s"]))} '
+                     f'idle</text>')
+    placed: list[tuple[float, float]] = []
+    for number, m in enumerate(marks, 1):
+        x = PAD_L + m["at_bin"] * dx
+        # marks closer than a circle's width stack downwards instead of hiding each other
+        y = PAD_T + 2 + 16 * sum(1 for px, _ in placed if abs(px - x) < 15)
+        placed.append((x, y))
+        colour = MARK_COLOURS.get(m["kind"], "#333")
+        parts.append(f'<g class="mark"><title>{escape(m["text"])}</title>'
+                     f'<line x1="{x:.1f}" y1="{PAD_T}" x2="{x:.1f}" y2="{HEIGHT - PAD_B}" stroke="{colour}" '
+                     f'stroke-dasharray="3 2"/><circle cx="{x:.1f}" cy="{y}" r="7" fill="{colour}"/>'
+                     f'<text x="{x:.1f}" y="{y + 3.5}" text-anchor="middle" fill="#fff">{number}</text></g>')
+    segments = sorted(ticks, key=lambda t: t["at"]) or [{"at": 0, "elapsed_s": 0.0}]
     step = max(1, (n - 1) // 5)
-    labels = [(PAD_L + i * dx, f"{i * bin_s:.0f}s") for i in range(0, n, step)]
+    labels, last = [], None
+    for i in sorted({int(t["at"]) for t in segments} | set(range(0, n, step))):
+        seg = [t for t in segments if t["at"] <= i][-1]
+        if last is not None and i - last < step / 2 and i not in cuts:
+            continue
+        labels.append((PAD_L + i * dx, _elapsed(seg["elapsed_s"] + (i - seg["at"]) * bin_s)))
+        last = i
     legend = "".join(f'<span class="key"><i style="background:{PALETTE[k % len(PALETTE)]}"></i>{escape(name)}</span>'
                      for k, name in enumerate(series))
     return _svg(parts + _axes(y_max, labels, x_title, y_title), y_title) + f'<div class="legend">{legend}</div>'

@@ -34,7 +34,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from dflash_regen import atomic, sglang
+from dflash_regen import atomic, sglang, shard_status
 from dflash_regen.config import GenerationSettings
 from dflash_regen.errors import ConfigError, DflashError, NotRetryable
 from dflash_regen.fleet import Server, healthy_servers, how_it_ended, is_alive, load_servers, log_tail, mark_unhealthy
@@ -368,12 +368,14 @@ class ShardPaths:
     failures: Path  # failures/shard-XXXXX/
     output: Path  # completions/shard-XXXXX.parquet
     failures_output: Path  # failures/shard-XXXXX.parquet
+    status: Path | None = None  # status/shard-XXXXX.json (shard_status)
 
     @classmethod
     def of(cls, run_dir: Path, shard: int, prompts: Path) -> ShardPaths:
         name = f"shard-{shard:05d}"
         return cls(shard, prompts, run_dir / "completions" / name, run_dir / "failures" / name,
-                   run_dir / "completions" / f"{name}.parquet", run_dir / "failures" / f"{name}.parquet")
+                   run_dir / "completions" / f"{name}.parquet", run_dir / "failures" / f"{name}.parquet",
+                   shard_status.status_path(run_dir, shard))
 
 
 def _server_facts(server: Server, api_key: str) -> tuple[int, str | None, int]:
@@ -444,12 +446,17 @@ def generate_shard(paths: ShardPaths, lease: Lease, api_key: str, settings: Gene
     todo = [{**row, "shard": paths.shard} for row in table.to_pylist()
             if row["sample_id"] not in done_ids and row["sample_id"] not in failed_ids]
     server = lease.server
+    status = shard_status.ShardStatus(paths.status, paths.shard, table.num_rows, server.name, len(done_ids),
+                                      len(failed_ids)) if paths.status else None
     try:
         slots, revision, context = _server_facts(server, api_key)
     except ServerUnhealthy as exc:
         mark_unhealthy(fleet_dir, server, str(exc))
-        raise _shard_failed(paths.shard, server, exc, fleet_dir, api_key, len(done_ids) + len(failed_ids),
-                            table.num_rows) from None
+        failure = _shard_failed(paths.shard, server, exc, fleet_dir, api_key, len(done_ids) + len(failed_ids),
+                                table.num_rows)
+        if status:
+            status.finish("failed", failure)
+        raise failure from None
     too_long = _too_long(todo, server, context, settings.max_tokens)
     todo = [row for row in todo if row["sample_id"] not in too_long]
     in_flight = settings.in_flight or slots
@@ -470,6 +477,9 @@ def generate_shard(paths: ShardPaths, lease: Lease, api_key: str, settings: Gene
         pending_rows.clear()
         pending_failures.clear()
         last_flush = time.monotonic()
+        if status:  # the heartbeat the Fleet page counts in-flight progress from
+            status.update(len(done_ids) + stats["completed"], len(failed_ids) + stats["quarantined"],
+                          stats["output_tokens"])
 
     def progress() -> None:
         elapsed = time.monotonic() - started
@@ -527,16 +537,23 @@ def generate_shard(paths: ShardPaths, lease: Lease, api_key: str, settings: Gene
         finally:
             flush()  # keep every finished result, whatever happens next
     if isinstance(error, AuthError):
+        if status:
+            status.finish("failed", error)
         raise error
     if error is not None:
         if isinstance(error, ServerUnhealthy):
             mark_unhealthy(fleet_dir, server, str(error))
         kept = len(done_ids) + len(failed_ids) + stats["completed"] + stats["quarantined"]
+        failure = _shard_failed(paths.shard, server, error, fleet_dir, api_key, kept, table.num_rows)
+        if status:
+            status.finish("failed", failure)
         # from None: the message carries the cause; a chain of requests/urllib3 errors would bury it.
-        raise _shard_failed(paths.shard, server, error, fleet_dir, api_key, kept, table.num_rows) from None
+        raise failure from None
     progress()
     completed = merge_parts(paths.parts, paths.output, COMPLETION_SCHEMA)
     quarantined = merge_parts(paths.failures, paths.failures_output, QUARANTINE_SCHEMA)
+    if status:
+        status.finish("done")
     log.info("shard %d complete on %s: %d completions, %d quarantined, %.1f s", paths.shard, server.name,
              completed, quarantined, time.monotonic() - started)
     _check_refused_share(paths, completed + quarantined, quarantined, settings.max_error_share)

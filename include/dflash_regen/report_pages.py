@@ -1,48 +1,71 @@
 """The web pages behind the Airflow UI links: a run's data-quality report, its GX Data Docs, and the fleet.
 
-`build_app(output_root, auth)` returns a FastAPI app; the Airflow plugin (plugins/dflash_regen_ui.py) mounts
-it and passes Airflow's own `get_user` as `auth`, because a mounted plugin app gets no authentication by
-itself. Every route depends on `auth`. Pages read only `<output_root>/runs/<run_id>/` through `run_report`
-and never serve a file outside the run's Data Docs folder. Nothing here imports Airflow.
+`build_app(output_root, auth, airflow)` returns a FastAPI app; the Airflow plugin (plugins/dflash_regen_ui.py)
+mounts it and passes Airflow's own `get_user` as `auth`, because a mounted plugin app gets no authentication
+by itself, and `airflow`, a read-only view of the DAG's runs and task instances as plain dicts (None: the pages
+show what the run folders alone say). Every route depends on `auth`. Pages read only
+`<output_root>/runs/<run_id>/` through `run_report` and never serve a file outside the run's Data Docs folder.
+Nothing here imports Airflow.
 
-Pages are plain server-rendered HTML with inline CSS and SVG: they stay legible without network access.
-GX Data Docs pull Bootstrap and friends from public CDNs; they are served with those tags replaced by the
-same inline stylesheet.
+Pages are plain server-rendered HTML with inline CSS and SVG: they stay legible without network access, and
+narrow (Airflow shows them in a ~370 px side panel: tables scroll sideways with their first column kept).
+GX Data Docs pull Bootstrap and friends from public CDNs; they are served with those tags removed, the same
+inline stylesheet, and the parts that only work online (filters, the JavaScript-built index, the newsletter
+footer) hidden.
 """
 
 from __future__ import annotations
 
 import re
+import time
 from collections.abc import Callable
 from html import escape
 from pathlib import Path
+from typing import Protocol
 from urllib.parse import quote
 
 import jinja2
 from fastapi import Depends, FastAPI, HTTPException
 from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, RedirectResponse
+from markupsafe import Markup
 
 from dflash_regen import charts, run_report
 
 TEMPLATES = jinja2.Environment(loader=jinja2.FileSystemLoader(Path(__file__).parent / "templates"),
                                autoescape=True, undefined=jinja2.StrictUndefined)
-STYLE = (Path(__file__).parent / "templates" / "report.css").read_text()
+# Markup: autoescape would turn the stylesheet's quotes into &#34; and the browser would drop those rules.
+STYLE = Markup((Path(__file__).parent / "templates" / "report.css").read_text())
 # <link>, <img> and <script src=...> tags that point off-site: offline they only hang or fail.
 _REMOTE_TAG = re.compile(r"""<(?:link|img)\b[^>]*(?:href|src)=["']?(?:https?:)?//[^>]*>|"""
                          r"""<script\b[^>]*src=["']?(?:https?:)?//[^>]*>\s*</script>""", re.IGNORECASE)
 
 
-def offline_html(html: str, pages: list[str] = ()) -> str:
+# GX parts that need its CDN scripts or say nothing here: the "Clear Filters" toolbars, the index's tables
+# (built by JavaScript, so empty offline: our own list replaces them), the validation filter and "Show more
+# info" toggles (jQuery/Bootstrap; the details show anyway), the fixed newsletter footer.
+_GX_NOISE = (".gx-docs [id$=-table-toolbar],.gx-docs .ge-index-page-tabs-container,.gx-docs footer,"
+             ".gx-docs #ge-cta-footer,.gx-docs .card:has(.btn-group-toggle),.gx-docs a[data-toggle=collapse]"
+             "{display:none!important}")
+# "Data asset: None": our suite validates an in-memory dataframe, which has no data asset to name.
+_DATA_ASSET_NONE = re.compile(r"Data asset:\s*None\s*<br\s*/?>", re.IGNORECASE)
+
+
+def offline_html(html: str, pages: list[tuple[str, str]] = (), back: str = "") -> str:
     """GX Data Docs HTML without its CDN tags, with the report stylesheet inlined instead.
 
-    `pages` (paths relative to the Data Docs root) are listed at the top: the index builds its own tables
-    with JavaScript from a CDN, so offline it would otherwise show no links at all.
+    `pages` ((href, label), relative to the Data Docs root) are listed at the top of the index: GX builds its
+    index tables with JavaScript from a CDN, so offline it would otherwise show no links at all. `back` is a
+    link to the run's data-quality page shown above them.
     """
     html = _REMOTE_TAG.sub("", html)
-    html = html.replace("</head>", f"<style>{STYLE}</style></head>", 1)
+    html = _DATA_ASSET_NONE.sub("", html)
+    html = html.replace("</head>", f"<style>{STYLE}{_GX_NOISE}</style></head>", 1)
+    html = re.sub(r"<body([^>]*)>", r'<body\1 class="gx-docs">', html, count=1)
+    block = f'<nav><a href="{escape(back)}" target="_self">&larr; data-quality page</a></nav>' if back else ""
     if pages:
-        items = "".join(f'<li><a href="{escape(p)}">{escape(p)}</a></li>' for p in pages)
-        block = f'<div class="offline-pages"><b>Pages</b><ul>{items}</ul></div>'
+        items = "".join(f'<li><a href="{escape(href)}">{escape(label)}</a></li>' for href, label in pages)
+        block += f'<div class="offline-pages"><b>Great Expectations Data Docs</b><ul>{items}</ul></div>'
+    if block:
         html = re.sub(r"(<body[^>]*>)", lambda m: m.group(1) + block, html, count=1)
     return html
 
@@ -68,14 +91,55 @@ def _number(value) -> str:
     return str(value)
 
 
-TEMPLATES.filters.update(duration=_duration, number=_number, urlpart=lambda s: quote(str(s), safe=""))
+def _when(epoch: float | None) -> str:
+    return "-" if epoch is None else time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(epoch))
 
 
-def _page(template: str, **context) -> HTMLResponse:
-    return HTMLResponse(TEMPLATES.get_template(template).render(style=STYLE, **context))
+def _short(server: str | None) -> str:
+    """'server 2 (GPU 2, 127.0.0.1:30002)' -> 'server 2': narrow tables show the rest on hover."""
+    return "-" if not server else server.split(" (", 1)[0]
 
 
-def build_app(output_root: Path, auth: Callable) -> FastAPI:
+def _detail(server: str | None) -> str:
+    """'server 2 (GPU 2, 127.0.0.1:30002)' -> 'GPU 2, 127.0.0.1:30002'."""
+    return (server or "").partition(" (")[2].removesuffix(")")
+
+
+TEMPLATES.filters.update(duration=_duration, number=_number, when=_when, short=_short, detail=_detail,
+                         urlpart=lambda s: quote(str(s), safe=""))
+
+
+def _page(template: str, status_code: int = 200, **context) -> HTMLResponse:
+    return HTMLResponse(TEMPLATES.get_template(template).render(style=STYLE, **context), status_code=status_code)
+
+
+class AirflowView(Protocol):
+    """What the pages need from Airflow (the plugin reads its metadata DB, read-only)."""
+
+    def runs(self) -> list[dict]:
+        """The DAG's runs, newest first: {run_id, state, start, end} (epoch seconds or None)."""
+
+    def run(self, run_id: str) -> dict | None:
+        """One run as above plus `tasks`: [{task_id, map_index, state, try_number, start, end}]."""
+
+
+def _data_docs_pages(docs: Path) -> list[tuple[str, str]]:
+    """Validation results newest first, then the suites, each with a readable label."""
+    out = []
+    for p in sorted((docs / "validations").rglob("*.html"), reverse=True):
+        rel = p.relative_to(docs)
+        # validations/<suite>/<run name>/<run time>/<batch>.html
+        suite, when = (rel.parts[1], rel.parts[3]) if len(rel.parts) >= 5 else (rel.stem, "")
+        stamp = re.fullmatch(r"(\d{4})(\d\d)(\d\d)T(\d\d)(\d\d)(\d\d)(?:\.\d+)?Z", when)
+        if stamp:
+            when = "{}-{}-{} {}:{}:{} UTC".format(*stamp.groups())
+        out.append((str(rel), f"validation of {suite}" + (f" at {when}" if when else "")))
+    out += [(str(p.relative_to(docs)), f"expectation suite {p.stem}")
+            for p in sorted((docs / "expectations").rglob("*.html"))]
+    return out
+
+
+def build_app(output_root: Path, auth: Callable, airflow: AirflowView | None = None) -> FastAPI:
     """All routes require `auth` (a FastAPI dependency that raises 401/403 for an anonymous request)."""
     root = Path(output_root)
     app = FastAPI(title="dflash-regen reports", dependencies=[Depends(auth)], docs_url=None, redoc_url=None,
@@ -88,33 +152,39 @@ def build_app(output_root: Path, auth: Callable) -> FastAPI:
             raise HTTPException(404, f"{exc}. Runs are read from the output root {root} "
                                      "(env DFLASH_OUTPUT_ROOT of the api-server).") from exc
 
+    def airflow_run(run_id: str) -> dict | None:
+        return airflow.run(run_id) if airflow is not None else None
+
     @app.get("/", response_class=HTMLResponse)
     def index():
-        return _page("index.html", root=str(root), runs=run_report.list_runs(root))
+        runs = run_report.list_runs(root, airflow.runs() if airflow is not None else None)
+        return _page("index.html", root=str(root), r=runs)
 
     @app.get("/runs/{run_id}/quality.json")
     def quality_json(run_id: str):
-        return JSONResponse(run_report.quality_report(run_dir(run_id)))
+        return JSONResponse(run_report.quality_report(run_dir(run_id), airflow_run(run_id)))
 
     @app.get("/runs/{run_id}/quality", response_class=HTMLResponse)
     def quality(run_id: str):
-        report = run_report.quality_report(run_dir(run_id))
+        report = run_report.quality_report(run_dir(run_id), airflow_run(run_id))
         mask = report["loss_mask"]
         chart = charts.histogram(mask["histogram"], highlight_at_or_below=mask["empty_at_or_below"],
                                  x_title="loss_mask.sum() (tokens)")
-        return _page("quality.html", run_id=run_id, r=report, chart=chart)
+        return _page("quality.html", run_id=run_id, r=report, state=report["run_state"], chart=chart,
+                     page="quality")
 
     @app.get("/runs/{run_id}/fleet.json")
     def fleet_json(run_id: str):
-        return JSONResponse(run_report.fleet_report(run_dir(run_id)))
+        return JSONResponse(run_report.fleet_report(run_dir(run_id), airflow_run(run_id)))
 
     @app.get("/runs/{run_id}/fleet", response_class=HTMLResponse)
     def fleet(run_id: str):
-        report = run_report.fleet_report(run_dir(run_id))
-        tp = report["progress"]["throughput"]
-        chart = charts.time_series(tp["servers"], bin_s=tp["bin_s"], x_title="time since the first answer",
-                                   y_title="output tok/s")
-        return _page("fleet.html", run_id=run_id, r=report, chart=chart)
+        report = run_report.fleet_report(run_dir(run_id), airflow_run(run_id))
+        tp = report["throughput"]
+        servers = {_short(name): values for name, values in tp["servers"].items()}
+        chart = charts.time_series(servers, bin_s=tp["bin_s"], x_title="time since the first answer (pauses cut out)",
+                                   y_title="output tok/s", ticks=tp["ticks"], breaks=tp["breaks"], marks=tp["marks"])
+        return _page("fleet.html", run_id=run_id, r=report, state=report["run_state"], chart=chart, page="fleet")
 
     @app.get("/runs/{run_id}/data-docs")
     def data_docs_root(run_id: str):
@@ -122,19 +192,21 @@ def build_app(output_root: Path, auth: Callable) -> FastAPI:
 
     @app.get("/runs/{run_id}/data-docs/{path:path}")
     def data_docs(run_id: str, path: str):
-        docs = (run_dir(run_id) / "reports" / "data_docs").resolve()
+        run = run_dir(run_id)
+        docs = (run / "reports" / "data_docs").resolve()
         target = (docs / (path or "index.html")).resolve()
         if target.is_dir():
             target = (target / "index.html").resolve()
         if docs not in target.parents or not target.is_file():
-            raise HTTPException(404, f"no Data Docs page {path!r} for run {run_id!r} (has validate run yet?)")
+            state = run_report.run_state(run, airflow_run(run_id))
+            return _page("no_data_docs.html", status_code=404, run_id=run_id, path=path, state=state,
+                         validated=(docs / "index.html").is_file(), page="data-docs",
+                         up="../" * (path.count("/") + 1))
         if target.suffix == ".html":
-            pages = []
-            if target == docs / "index.html":  # newest validation first, then the suites
-                pages = sorted((str(p.relative_to(docs)) for p in (docs / "validations").rglob("*.html")),
-                               reverse=True) + sorted(str(p.relative_to(docs))
-                                                      for p in (docs / "expectations").rglob("*.html"))
-            return HTMLResponse(offline_html(target.read_text(errors="replace"), pages))
+            depth = len(target.relative_to(docs).parts) - 1
+            pages = _data_docs_pages(docs) if target == docs / "index.html" else []
+            return HTMLResponse(offline_html(target.read_text(errors="replace"), pages,
+                                             back="../" * (depth + 1) + "quality"))
         return FileResponse(target)
 
     return app

@@ -1,7 +1,13 @@
-"""What a run folder says, as plain dicts: the data behind the UI's data-quality and fleet pages.
+"""What a run says, as plain dicts: the data behind the UI's runs list, data-quality and fleet pages.
 
-Reads only files the pipeline wrote under `<output_root>/runs/<run_id>/` (reports/*.json, the shard, completion,
-failure and summary parquet files), so it works while the run is still going and long after it ended.
+Two sources. The run folder `<output_root>/runs/<run_id>/` (reports/*.json, each shard's status file, the
+shard, completion and failure parquet files) says what the pipeline did and works while the run is going and
+long after it ended. Airflow's view of the run (`airflow_run`: its id, state, dates and task instances, passed
+in by the plugin as a plain dict; None outside Airflow) says what the folder cannot: a run marked failed, a
+task killed before it wrote anything, where the run stopped.
+
+At scale (902 shards, 902K completions) a page view must not re-read the run: parquet reads are cached per
+file (path, mtime, size), so a refresh reads only the checkpoint parts written since the last one.
 """
 
 from __future__ import annotations
@@ -10,12 +16,20 @@ import json
 import time
 from pathlib import Path
 
+import numpy as np
 import pyarrow.parquet as pq
 
+from dflash_regen import shard_status
 from dflash_regen.config import safe_run_id
 
 HISTOGRAM_BINS = 40
 THROUGHPUT_POINTS = 60
+# Tasks in pipeline order: where a failed run stopped, what never ran.
+PIPELINE = ("stage_weights", "launch_fleet", "health_check", "smoke_test", "plan_shards", "calibrate", "generate",
+            "tokenize", "validate", "publish", "stop_fleet")
+RUNNING_STATES = {"running", "queued", "scheduled", "up_for_retry", "up_for_reschedule", "restarting", "deferred"}
+SHARDS_LISTED = 50  # beyond this, finished shards are left out of the page's table (fleet.json has them all)
+ADVICE_MIN_GAIN = 0.02  # advise a relaunch only when it is predicted at least this much faster
 
 
 class RunNotFound(LookupError):
@@ -42,14 +56,47 @@ def _json(path: Path) -> dict | None:
         return None  # not written yet, or being replaced right now
 
 
+# ----------------------------------------------------------------------------------------------- file cache
+_CACHE: dict[tuple[str, str], tuple[tuple[int, int], object]] = {}
+
+
+def _cached(path: Path, kind: str, load):
+    """`load(path)`, remembered until the file changes; None for a file that vanished or is half written."""
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    key, stamp = (kind, str(path)), (st.st_mtime_ns, st.st_size)
+    hit = _CACHE.get(key)
+    if hit is not None and hit[0] == stamp:
+        return hit[1]
+    try:
+        value = load(path)
+    except (OSError, KeyError, ValueError):
+        return None  # a part being written, or an older file without the column
+    _CACHE[key] = (stamp, value)
+    return value
+
+
+def _forget_missing(folder: Path) -> None:
+    """Drop cache entries of merged-away checkpoint parts under `folder`, so the cache does not grow forever."""
+    prefix = str(folder) + "/"
+    for key in [k for k in _CACHE if k[1].startswith(prefix)]:
+        if not Path(key[1]).exists():
+            del _CACHE[key]
+
+
+def _rows(path: Path) -> int:
+    return _cached(path, "rows", lambda p: pq.read_metadata(p).num_rows) or 0  # the footer only
+
+
 def _columns(paths: list[Path], *names: str) -> list[list]:
     """The named columns over all files, read together so they stay row-aligned."""
     values: list[list] = [[] for _ in names]
     for path in paths:
-        try:
-            table = pq.read_table(path, columns=list(names))
-        except (OSError, KeyError, ValueError):
-            continue  # a part being written, or an older file without the column
+        table = _cached(path, "cols:" + ",".join(names), lambda p: pq.read_table(p, columns=list(names)))
+        if table is None:
+            continue
         for out, name in zip(values, names, strict=True):
             out.extend(table.column(name).to_pylist())
     return values
@@ -67,24 +114,80 @@ def _result_files(folder: Path) -> list[Path]:
                            for p in d.glob("*.parquet"))
 
 
-def _rows(paths: list[Path]) -> int:
-    total = 0
-    for path in paths:
-        try:
-            total += pq.read_metadata(path).num_rows  # the footer only: cheap for a 902K-sample run
-        except (OSError, ValueError):
-            continue  # a part being written
-    return total
+def _shard_of(path: Path) -> int:
+    name = path.stem if path.stem.startswith("shard-") else path.parent.name
+    return int(name.split("-")[1])
 
 
-def list_runs(output_root: Path) -> list[dict]:
-    runs = [p for p in (output_root / "runs").glob("*") if p.is_dir()]
-    out = []
-    for run in sorted(runs, key=lambda p: p.stat().st_mtime, reverse=True):
-        quality = _json(run / "reports" / "quality.json")
-        out.append({"run": run.name, "modified": run.stat().st_mtime,
-                    "quality": None if quality is None else bool(quality.get("success"))})
-    return out
+# --------------------------------------------------------------------------------------------- run state
+def _ti_label(t: dict) -> str:
+    return t["task_id"] + (f"[{t['map_index']}]" if t["map_index"] >= 0 else "")
+
+
+def _first_line(text) -> str:
+    return (str(text or "").strip().splitlines() or [""])[0]
+
+
+def run_state(run: Path, airflow_run: dict | None) -> dict:
+    """The run's state, dates, failed tasks with their first error line where the folder has it, and where it
+    stopped; from Airflow when it knows the run, else what the folder alone can tell."""
+    reports = run / "reports"
+    errors = {"health_check": _first_line((_json(reports / "health.json") or {}).get("error")),
+              "smoke_test": _first_line((_json(reports / "smoke.json") or {}).get("error"))}
+    quality = _json(reports / "quality.json")
+    if quality is not None and not quality.get("success"):
+        failed = [f"{e['expectation']} {e.get('kwargs', {}).get('column', '')}: observed {e.get('observed')}"
+                  for e in quality.get("expectations", []) if not e.get("success")]
+        errors["validate"] = "quality gate failed: " + "; ".join(failed)
+    statuses = _statuses(run)
+    if airflow_run is None:
+        return {"known": False, "state": None, "start": None, "end": None, "duration_s": None, "failed": [],
+                "stopped_at": None, "not_run": [], "running": []}
+    tasks = sorted(airflow_run.get("tasks", []), key=lambda t: (PIPELINE.index(t["task_id"])
+                                                                if t["task_id"] in PIPELINE else 99, t["map_index"]))
+    failed = []
+    for t in tasks:
+        if t["state"] != "failed":
+            continue
+        error = errors.get(t["task_id"], "")
+        if t["task_id"] == "generate":
+            attempts = (statuses.get(t["map_index"]) or {}).get("attempts", [])
+            error = next((a.get("error", "") for a in reversed(attempts) if a.get("state") == "failed"), "")
+        failed.append({"task": _ti_label(t), "task_id": t["task_id"], "map_index": t["map_index"],
+                       "try_number": t["try_number"], "error": error})
+    not_run = []
+    for name in PIPELINE:
+        states = {t["state"] for t in tasks if t["task_id"] == name}
+        if states and states <= {"upstream_failed", "skipped", "removed", None}:
+            not_run.append(name)
+    start, end = airflow_run.get("start"), airflow_run.get("end")
+    state = airflow_run.get("state")
+    return {"known": True, "run_id": airflow_run["run_id"], "state": state, "start": start, "end": end,
+            "duration_s": None if start is None else (end or time.time()) - start,
+            "failed": failed, "stopped_at": failed[0]["task"] if failed else None, "not_run": not_run,
+            "running": [_ti_label(t) for t in tasks if t["state"] in {"running", "queued", "up_for_retry"}]}
+
+
+def list_runs(output_root: Path, airflow_runs: list[dict] | None = None) -> dict:
+    """Airflow's runs of the DAG with their folder's counts, and folders no Airflow run matches."""
+    folders = {p.name: p for p in (output_root / "runs").glob("*") if p.is_dir()}
+    rows = []
+    for r in airflow_runs or []:
+        folder = folders.pop(safe_run_id(r["run_id"]), None)
+        rows.append({**r, "duration_s": None if r.get("start") is None else (r.get("end") or time.time()) - r["start"],
+                     "folder": folder is not None, **(_run_counts(folder) if folder else {})})
+    orphans = [{"run_id": name, "modified": p.stat().st_mtime, **_run_counts(p)}
+               for name, p in sorted(folders.items(), key=lambda kv: kv[1].stat().st_mtime, reverse=True)]
+    return {"airflow": airflow_runs is not None, "runs": rows, "folders": orphans}
+
+
+def _run_counts(run: Path) -> dict:
+    plan = _json(run / "reports" / "plan.json") or {}
+    quality = _json(run / "reports" / "quality.json")
+    return {"prompts": plan.get("rows"), "published": (quality or {}).get("kept"),
+            "quarantined": None if quality is None else plan.get("rows", 0) - quality.get("kept", 0),
+            "quality": None if quality is None else bool(quality.get("success")),
+            "data_docs": (run / "reports" / "data_docs" / "index.html").is_file()}
 
 
 # ------------------------------------------------------------------------------------------ data quality
@@ -151,7 +254,7 @@ def histogram(values: list[int], bins: int = HISTOGRAM_BINS, split_at: int | Non
     return out + [{"start": s, "end": s + width - 1, "count": counts.get(s, 0)} for s in range(lo, hi + 1, width)]
 
 
-def quality_report(run: Path) -> dict:
+def quality_report(run: Path, airflow_run: dict | None = None) -> dict:
     quality = _json(run / "reports" / "quality.json")
     plan = _json(run / "reports" / "plan.json") or {}
     masks = _column(sorted((run / "tokenized").glob("summary-*.parquet")), "loss_mask_sum")
@@ -164,10 +267,17 @@ def quality_report(run: Path) -> dict:
                              "threshold": threshold(e["expectation"], kwargs), "observed": e.get("observed"),
                              "success": bool(e.get("success")), "error": e.get("error")})
     by_stage = quarantine_by_stage(run)
-    docs = run / "reports" / "data_docs" / "index.html"
+    state = run_state(run, airflow_run)
+    if quality is not None:
+        status = "passed" if quality.get("success") else "failed"
+    elif state["state"] == "failed":
+        status = "not validated: the run failed"
+    elif state["state"] == "success":
+        status = "not validated"
+    else:
+        status = "not validated yet"
     return {
-        "run": run.name,
-        "status": "not validated yet" if quality is None else ("passed" if quality.get("success") else "failed"),
+        "run": run.name, "run_state": state, "status": status,
         "prompts": plan.get("rows"), "samples": (quality or {}).get("samples"), "kept": (quality or {}).get("kept"),
         "quarantined": sum(n for reasons in by_stage.values() for n in reasons.values()),
         "quarantined_by_stage": by_stage,
@@ -175,57 +285,275 @@ def quality_report(run: Path) -> dict:
         "loss_mask": {"samples": len(masks), "empty_at_or_below": empty_at,
                       "empty": sum(1 for m in masks if m <= empty_at),
                       "histogram": histogram(masks, split_at=empty_at)},
-        "data_docs": docs.is_file(),
+        "data_docs": (run / "reports" / "data_docs" / "index.html").is_file(),
     }
 
 
-# ------------------------------------------------------------------------------------------------ fleet
-def throughput_series(finished: list[float], tokens: list[int], servers: list[str],
-                      points: int = THROUGHPUT_POINTS) -> dict:
-    """Output tok/s per server over time, from each completion's finish time and token count."""
-    rows = [(f, t or 0, s) for f, t, s in zip(finished, tokens, servers, strict=True) if f is not None]
-    if not rows:
-        return {"start": None, "bin_s": 0, "servers": {}}
-    start, end = min(r[0] for r in rows), max(r[0] for r in rows)
-    bin_s = max((end - start) / points, 1.0)
-    n = int((end - start) // bin_s) + 1
-    series: dict[str, list[float]] = {}
-    for f, t, s in rows:
-        series.setdefault(s, [0.0] * n)[int((f - start) // bin_s)] += t / bin_s
-    return {"start": start, "bin_s": bin_s, "servers": dict(sorted(series.items()))}
+# ------------------------------------------------------------------------------------------------ shards
+def _statuses(run: Path) -> dict[int, dict]:
+    out = {}
+    for path in sorted((run / "status").glob("shard-*.json")):
+        status = shard_status.read(path)
+        if status is not None:
+            out[int(status["shard"])] = status
+    return out
 
 
-def progress(run: Path, now: float | None = None) -> dict:
-    """Prompts done (completed or quarantined by a server) of those planned, the recent rate, and the ETA."""
-    plan = _json(run / "reports" / "plan.json") or {}
-    files = _result_files(run / "completions")
-    finished, tokens, servers = _columns(files, "finished_at", "completion_tokens", "server")
-    done = _rows(files) + _rows(_result_files(run / "failures"))
-    total = plan.get("accepted")
+def _planned_shards(run: Path) -> list[dict]:
+    plan = _cached(run / "shards" / "plan.json", "json", lambda p: json.loads(p.read_text())) or {}
+    return plan.get("shards", [])
+
+
+def _checkpointed(run: Path) -> dict[int, int]:
+    """Rows on disk per shard: completions and prompts a server refused, merged or still in parts."""
+    out: dict[int, int] = {}
+    for sub in ("completions", "failures"):
+        for path in _result_files(run / sub):
+            out[_shard_of(path)] = out.get(_shard_of(path), 0) + _rows(path)
+        _forget_missing(run / sub)
+    return out
+
+
+def _attempt_outcome(attempt: dict, later: bool, ti_state: str | None) -> str:
+    """What became of an attempt; one left 'running' ended without a word if anything came after it."""
+    if attempt.get("state") != "running":
+        return attempt["state"]
+    if later or (ti_state is not None and ti_state not in RUNNING_STATES):
+        return "lost"  # its task process was killed before it could say so
+    return "running"
+
+
+def shards(run: Path, airflow_run: dict | None = None, now: float | None = None) -> list[dict]:
+    """One row per planned shard: state, server, attempts, done/total, output tok/s of its latest attempt."""
     now = time.time() if now is None else now
-    stamps = sorted(f for f in finished if f is not None)
-    rate = None
-    if len(stamps) >= 2:
-        window = [f for f in stamps if f >= stamps[-1] - 300] or stamps  # the last five minutes
-        span = window[-1] - window[0]
-        rate = (len(window) - 1) / span if span > 0 else None
+    statuses = _statuses(run)
+    on_disk = _checkpointed(run)
+    tis = {t["map_index"]: t for t in (airflow_run or {}).get("tasks", []) if t["task_id"] == "generate"}
+    rows = []
+    planned_by_shard = {s["shard"]: s for s in _planned_shards(run)}
+    for n in sorted(set(planned_by_shard) | set(statuses) | set(on_disk)):
+        planned = planned_by_shard.get(n, {})
+        status = statuses.get(n) or {}
+        attempts = status.get("attempts", [])
+        ti = tis.get(n)
+        outcomes = [_attempt_outcome(a, i + 1 < len(attempts), ti and ti["state"]) for i, a in enumerate(attempts)]
+        last = attempts[-1] if attempts else {}
+        state = (ti or {}).get("state") or (outcomes[-1] if outcomes else None)
+        if state is None:
+            state = "done" if (run / "completions" / f"shard-{n:05d}.parquet").is_file() else "waiting"
+        seconds = (last.get("updated_at") or 0) - (last.get("started_at") or 0)
+        done = max(on_disk.get(n, 0), status.get("done", 0) + status.get("quarantined", 0))
+        rows.append({"shard": n, "state": state, "server": last.get("server"), "attempts": len(attempts),
+                     "done": done, "total": planned.get("prompts") or status.get("total"),
+                     "tok_s": last.get("output_tokens", 0) / seconds if seconds > 0 else None,
+                     "last_heard_s": now - last["updated_at"] if last.get("updated_at") else None,
+                     "history": [{**a, "outcome": o} for a, o in zip(attempts, outcomes, strict=True)]})
+    return rows
+
+
+def incidents(run: Path, shard_rows: list[dict]) -> list[dict]:
+    """Server deaths, shard failures and retries, fleet relaunches, in time order ({at, kind, text})."""
+    out = []
+    for row in shard_rows:
+        history = row["history"]
+        for i, a in enumerate(history):
+            if i:
+                out.append({"at": a["started_at"], "kind": "retry",
+                            "text": f"shard {row['shard']} retried on {a['server']} ({a['done_before']:,} done "
+                                    "before, sends only the rest)"})
+            if a["outcome"] == "failed":
+                error = a.get("error") or f"failed on {a['server']} (no message)"
+                prefix = "" if error.startswith(f"shard {row['shard']} ") else f"shard {row['shard']}: "
+                out.append({"at": a.get("ended_at") or a["updated_at"], "kind": "shard failed",
+                            "text": prefix + error})
+            elif a["outcome"] == "lost":
+                out.append({"at": a["updated_at"], "kind": "shard failed",
+                            "text": f"shard {row['shard']} on {a['server']} stopped without a word after "
+                                    f"{a['done']:,} done (its task process was killed?)"})
+    fleet = run / "fleet"
+    for marker in sorted(fleet.glob("unhealthy-*")):
+        try:
+            reason, at = _first_line(marker.read_text()), marker.stat().st_mtime
+        except OSError:
+            continue
+        out.append({"at": at, "kind": "server unhealthy", "text": reason})
+    launches = [r.get("launched_at") for r in (_json(p) for p in fleet.glob("server-*.json")) if r]
+    first_attempt = min((a["started_at"] for row in shard_rows for a in row["history"]), default=None)
+    launches = [t for t in launches if t]
+    if launches and first_attempt is not None and min(launches) > first_attempt:
+        out.append({"at": min(launches), "kind": "relaunch",
+                    "text": f"fleet relaunched ({len(launches)} servers) after shard work had started"})
+    return sorted(out, key=lambda i: i["at"])
+
+
+# ------------------------------------------------------------------------------------------------ fleet
+def _completion_arrays(path: Path):
+    table = pq.read_table(path, columns=["finished_at", "completion_tokens", "server"])
+    finished = table.column("finished_at").to_numpy(zero_copy_only=False).astype(float)
+    tokens = table.column("completion_tokens").fill_null(0).to_numpy(zero_copy_only=False).astype(float)
+    servers = table.column("server").dictionary_encode().combine_chunks()
+    names = servers.dictionary.to_pylist()
+    codes = servers.indices.to_numpy(zero_copy_only=False)
+    return {name: (finished[codes == i], tokens[codes == i]) for i, name in enumerate(names)}
+
+
+def _segments(stamps: np.ndarray, cells: int = 4000) -> list[tuple[float, float]]:
+    """Stretches of work: a pause of more than 5% of the run (and 10 s) between two answers splits them.
+
+    Found on a grid of `cells` over the run, not by sorting every answer (902K of them at full scale); each
+    stretch's ends are then the exact first and last answer in it.
+    """
+    lo, hi = float(stamps.min()), float(stamps.max())
+    gap = max(0.05 * (hi - lo), 10.0)
+    width = max((hi - lo) / cells, 1e-9)
+    occupied = np.nonzero(np.bincount(((stamps - lo) / width).astype(int).clip(0, cells - 1), minlength=cells))[0]
+    cuts = np.nonzero((np.diff(occupied) + 1) * width > gap)[0]  # candidates; the exact gap is checked below
+    bounds = [lo] + [lo + occupied[c + 1] * width for c in cuts] + [hi + width]
+    out: list[tuple[float, float]] = []
+    for a, b in zip(bounds, bounds[1:], strict=False):
+        inside = stamps[(stamps >= a) & (stamps < b)]
+        if not inside.size:
+            continue
+        first, last = float(inside.min()), float(inside.max())
+        if out and first - out[-1][1] <= gap:
+            out[-1] = (out[-1][0], last)
+        else:
+            out.append((first, last))
+    return out
+
+
+def throughput_series(by_server: dict[str, tuple[np.ndarray, np.ndarray]], marks: list[dict] = (),
+                      points: int = THROUGHPUT_POINTS) -> dict:
+    """Output tok/s per server over the time the fleet worked, pauses cut out (a break marks each, with its
+    length), and `marks` ({at, kind, text}) placed on the same axis. Positions are in bins."""
+    stamps = np.concatenate([f for f, _ in by_server.values()]) if by_server else np.array([])
+    if not stamps.size:
+        return {"start": None, "bin_s": 0, "bins": 0, "servers": {}, "breaks": [], "marks": [], "ticks": []}
+    segments = _segments(stamps)
+    start = segments[0][0]
+    bin_s = max(sum(e - s for s, e in segments) / points, 1.0)
+    offsets, n = [], 0
+    for s, e in segments:
+        offsets.append(n)
+        n += int((e - s) // bin_s) + 1
+
+    starts = np.array([s for s, _ in segments])
+    lengths = np.array([e - s for s, e in segments])
+
+    def position(t: np.ndarray) -> np.ndarray:
+        """Bin position on the cut axis; a time inside a pause lands at the cut, before the start at 0."""
+        k = (np.searchsorted(starts, t, side="right") - 1).clip(0)
+        return np.where(t < start, 0.0, np.array(offsets)[k] + np.minimum(t - starts[k], lengths[k] + bin_s) / bin_s)
+
+    series = {}
+    for name, (finished, tokens) in sorted(by_server.items()):
+        values = np.bincount(position(finished).astype(int).clip(0, n - 1), weights=tokens / bin_s, minlength=n)
+        series[name] = [round(float(v), 1) for v in values]
+    breaks = [{"at": off, "idle_s": s - prev_e}
+              for (s, _), (_, prev_e), off in zip(segments[1:], segments[:-1], offsets[1:], strict=True)]
+    ticks = [{"at": off, "elapsed_s": s - start} for (s, _), off in zip(segments, offsets, strict=True)]
+    placed = [{**m, "at_bin": float(position(np.array([m["at"]]))[0])} for m in marks]
+    return {"start": start, "bin_s": bin_s, "bins": n, "servers": series, "breaks": breaks, "ticks": ticks,
+            "marks": placed, "segments": [{"start": s, "end": e} for s, e in segments]}
+
+
+def progress(run: Path, shard_rows: list[dict], state: dict, capacity: dict | None, now: float | None = None) -> dict:
+    """Prompts done of those planned (checkpointed, plus what running shards report from memory), the rate
+    since the first shard started, and the ETA (the capacity plan's until the fleet has finished anything)."""
+    now = time.time() if now is None else now
+    plan = _json(run / "reports" / "plan.json") or {}
+    total = plan.get("accepted")
+    done = sum(r["done"] for r in shard_rows)
+    first = [r["history"][0] for r in shard_rows if r["history"]]
+    started = min((a["started_at"] for a in first), default=None)
+    resumed = sum(a["done_before"] for a in first)  # done before this run's first attempt: not this run's work
     left = None if total is None else max(total - done, 0)
-    eta = None if not left or not rate else left / rate
+    running = [r["shard"] for r in shard_rows if r["state"] in {"running"}]
+    rate = eta = None
+    eta_source = None
+    stopped = state.get("state") in {"failed", "success"}
+    if started is not None and done > resumed:
+        rate = (done - resumed) / max(now - started, 1e-9)
+        eta, eta_source = (left / rate if left else 0.0), "rate since the first shard started"
+    elif started is not None and capacity:
+        wall = capacity["scenarios"][0]["wall_s"]
+        eta, eta_source = max(wall - (now - started), 0.0), "capacity plan (nothing finished yet)"
+    if stopped:
+        eta, eta_source = (0.0 if left == 0 else None), ("run finished" if left == 0 else f"run {state['state']}")
     return {"planned": total, "done": done, "left": left, "share": (done / total) if total else None,
-            "rate_per_s": rate, "eta_s": 0.0 if left == 0 else eta,
-            "throughput": throughput_series(finished, tokens, servers)}
+            "running_shards": running, "rate_per_s": rate, "eta_s": eta, "eta_source": eta_source,
+            "started_at": started}
 
 
-def fleet_report(run: Path) -> dict:
-    health = _json(run / "reports" / "health.json") or {}
-    smoke = _json(run / "reports" / "smoke.json") or {}
+def kv_headroom(health: dict, capacity: dict | None) -> dict | None:
+    """One figure for how many requests the KV cache holds: the capacity plan's (measured request lengths)
+    when calibrate ran, else health_check's (the Params' expected lengths)."""
+    if capacity:
+        alloc = (capacity.get("allocation") or [{}])[0]
+        run = capacity.get("run", {})
+        tokens = run.get("mean_prompt_tokens", 0) + run.get("mean_output_tokens", 0)
+        if alloc.get("kv_tokens") and tokens:
+            return {"requests": int(alloc["kv_tokens"] // tokens), "request_tokens": round(tokens),
+                    "kv_tokens": alloc["kv_tokens"], "source": "request sizes measured by calibrate"}
+    for s in health.get("servers", []):
+        if s.get("kv_request_capacity") and s.get("allocation"):
+            kv = s["allocation"]["kv_tokens"]
+            return {"requests": s["kv_request_capacity"], "kv_tokens": kv,
+                    "request_tokens": round(kv / s["kv_request_capacity"]),
+                    "source": "the Params' expected prompt and output tokens (calibrate has not measured them)"}
+    return None
+
+
+def capacity_advice(capacity: dict | None) -> dict | None:
+    """Advise a relaunch only when the plan predicts it faster, with the numbers that say by how much."""
+    if not capacity:
+        return None
+    scenarios = {s["name"]: s for s in capacity.get("scenarios", [])}
+    current, advised = scenarios.get("current"), scenarios.get("advised")
+    flags = (capacity.get("advice") or {}).get("server_flags")
+    if not current or not advised or not flags:
+        return {"relaunch": False, "reason": "the current settings are the best the planner knows for this fleet"}
+    gain = 1 - advised["wall_s"] / current["wall_s"]
+    common = {"flags": flags, "concurrency": capacity["advice"].get("concurrency_per_server_advised"),
+              "current_wall_s": current["wall_s"], "advised_wall_s": advised["wall_s"], "gain": gain,
+              "gpu_hours_saved": current["gpu_hours"] - advised["gpu_hours"]}
+    if gain < ADVICE_MIN_GAIN:
+        return {**common, "relaunch": False,
+                "reason": f"the planner's alternative ({flags}) is not predicted to be faster, so keep the "
+                          "current settings"}
+    return {**common, "relaunch": True}
+
+
+def fleet_report(run: Path, airflow_run: dict | None = None, now: float | None = None) -> dict:
+    now = time.time() if now is None else now
+    reports = run / "reports"
+    health = _json(reports / "health.json") or {}
+    smoke = _json(reports / "smoke.json") or {}
+    capacity = _json(reports / "capacity.json")
     smoke_by_server = {s["server"]: s for s in smoke.get("servers", [])}
     servers = []
     for h in health.get("servers", []):
         s = smoke_by_server.get(h["server"], {})
         servers.append({"server": h["server"], "healthy": h.get("healthy"), "allocation": h.get("allocation", {}),
-                        "binding": h.get("binding"), "advice": h.get("advice"), "problems": h.get("problems", []),
+                        "binding": h.get("binding"), "problems": h.get("problems", []),
                         "smoke_ok": s.get("ok"), "smoke": s.get("results", [])})
-    return {"run": run.name, "health_passed": health.get("passed"), "smoke_passed": smoke.get("passed"),
-            "smoke_max_tokens": smoke.get("max_tokens"), "servers": servers, "progress": progress(run),
-            "capacity": _json(run / "reports" / "capacity.json")}
+    state = run_state(run, airflow_run)
+    shard_rows = shards(run, airflow_run, now)
+    events = incidents(run, shard_rows)
+    by_server: dict[str, list] = {}
+    for path in _result_files(run / "completions"):
+        for name, arrays in (_cached(path, "throughput", _completion_arrays) or {}).items():
+            by_server.setdefault(name, []).append(arrays)
+    merged = {name: (np.concatenate([f for f, _ in parts]), np.concatenate([t for _, t in parts]))
+              for name, parts in by_server.items()}
+    listed = shard_rows
+    if len(shard_rows) > SHARDS_LISTED:
+        listed = [r for r in shard_rows if r["state"] not in {"success", "done"} or r["attempts"] > 1]
+    return {"run": run.name, "run_state": state,
+            "health_passed": health.get("passed"), "health_error": health.get("error"),
+            "smoke_passed": smoke.get("passed"), "smoke_error": smoke.get("error"),
+            "smoke_max_tokens": smoke.get("max_tokens"), "servers": servers,
+            "progress": progress(run, shard_rows, state, capacity, now),
+            "shards": shard_rows, "shards_listed": listed, "incidents": events,
+            "throughput": throughput_series(merged, events),
+            "kv": kv_headroom(health, capacity), "advice": capacity_advice(capacity), "capacity": capacity}

@@ -24,6 +24,10 @@ from live_airflow import (
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
                  "--disable-sync", "--no-first-run"]
+SIDE_PANEL = {"width": 900, "height": 1000}  # Airflow's run view at this size leaves the tab ~630 px wide
+NARROWEST = 370  # the tab's width with Airflow's grid panel widened (issue 17)
+
+
 @pytest.fixture(scope="session")
 def screenshots():
     folder = ROOT / "test-output" / "browser"
@@ -51,6 +55,8 @@ def test_report_pages_refuse_anonymous_requests_and_stay_inside_the_output_root(
     plugins = live_airflow.api("GET", "/api/v2/plugins").json()["plugins"]
     ours = next(p for p in plugins if p["name"] == "dflash_regen_ui")
     assert {v["name"] for v in ours["external_views"]} == {"dflash-regen runs", "Data quality", "Fleet"}
+    icons = [v["icon"] for v in ours["external_views"]]
+    assert all(i.startswith("data:image/svg+xml") for i in icons) and len(set(icons)) == 3  # one icon per tab
 
 
 # ----------------------------------------------------------------------------------------------- the browser
@@ -90,6 +96,23 @@ def trigger_from_form(page, af: LiveAirflow, fields: dict[tuple[str, str], str],
     return unquote(page.url.split("/runs/")[1].split("/")[0])
 
 
+def open_run_tab(page, af: LiveAirflow, run_id: str, route: str, name: str):
+    """Open one of our tabs on the run's page; returns the frame holding our page."""
+    page.goto(f"{af.url}/dags/dflash_regen/runs/{quote(run_id)}")
+    # a named tab, not an anonymous icon (the tab bar may also keep hidden copies of its links)
+    tab = page.locator(f'a[href$="/plugin/{route}"]').filter(has_text=name, visible=True).first
+    tab.wait_for(timeout=30_000)
+    tab.click()
+    return page.frame_locator("iframe").first
+
+
+def font_of(frame) -> str:
+    """The body's computed font: the escaped stylesheet once left every page in the browser's default (Times)."""
+    font = frame.locator("body").evaluate("b => getComputedStyle(b).fontFamily")
+    assert "Times" not in font and "system-ui" in font, font
+    return font
+
+
 def fail_one_shard(af: LiveAirflow, run_id: str, shard: int, victim: str, dataset: str) -> dict:
     """Kill `victim` ('server' or 'task') in the middle of `shard`; the run fails on that shard alone."""
     killer = kill_in_the_middle_of_shard(run_dir(af, run_id), shard=shard, victim=victim)
@@ -112,6 +135,7 @@ def test_user_triggers_from_the_form_clears_the_failed_shard_and_reads_the_repor
     log_in(page, af)
     page.screenshot(path=screenshots / "01-logged-in.png")
 
+    # (issue 17, the form's half: a bad shard_size is refused here, before any run starts)
     form = {("Prompts", "shard_size"): "20", ("Dispatch", "checkpoint_every"): "4",
             ("Dispatch", "calibration_prompts"): "32"}  # the smallest calibration: twice the 16 slots
     run_id = trigger_from_form(page, af, form, screenshots / "02-trigger-form.png")
@@ -119,16 +143,30 @@ def test_user_triggers_from_the_form_clears_the_failed_shard_and_reads_the_repor
     # The fault: the server working on shard 2 is SIGKILLed once the shard has results on disk.
     killed = fail_one_shard(af, run_id, shard=2, victim="server", dataset="qwen3.6-27b-regen")
 
+    # The failed run's pages say it failed, where, and why, before anyone clears anything.
+    fleet = open_run_tab(page, af, run_id, "dflash-fleet", "Fleet")
+    fleet.locator("#run-state").filter(has_text="run failed").wait_for(timeout=30_000)
+    assert "generate[2] failed" in fleet.locator("#failures").inner_text()
+    incidents = fleet.locator("#incidents").inner_text()
+    assert "shard failed" in incidents and "shard 2 failed on server" in incidents, incidents
+    page.screenshot(path=screenshots / "03-failed-run-fleet.png")
+    quality = open_run_tab(page, af, run_id, "dflash-quality", "Data quality")
+    assert "The gate never ran: the run failed at generate[2]" in quality.locator("#not-validated").inner_text()
+    quality.get_by_role("link", name="GX Data Docs").click()
+    assert "the run failed at generate[2], before validating" in quality.locator("#why").inner_text()
+
     # The user opens the failed shard, reads why, and clears it (with Downstream, the form's default).
     page.goto(f"{af.url}/dags/dflash_regen/runs/{quote(run_id)}/tasks/generate/mapped/2")
     page.get_by_text("marked").first.wait_for(timeout=30_000)  # "marked server N unhealthy: ..." in the log
-    page.screenshot(path=screenshots / "03-failed-shard-log.png")
+    # (issue 17, the shard's half: the log's first line names the server and how it died)
+    page.screenshot(path=screenshots / "04-failed-shard-log.png")
     page.get_by_role("button", name="Press shift+c to clear").click()
     dialog = page.locator("[role=dialog][data-state=open]")
     dialog.get_by_text("Affected Tasks").wait_for()
+    dialog.get_by_text("launch_fleet").first.wait_for()  # the list fills in after its heading (a dry run)
     affected = dialog.inner_text()
     assert "launch_fleet" in affected and "smoke_test" in affected and "publish" in affected, affected
-    dialog.screenshot(path=screenshots / "04-clear-dialog.png")
+    dialog.screenshot(path=screenshots / "05-clear-dialog.png")
     dialog.get_by_role("button", name="Confirm").click()
 
     assert af.wait_run(run_id, timeout_s=600, states={"success"}) == "success"
@@ -145,11 +183,10 @@ def test_user_triggers_from_the_form_clears_the_failed_shard_and_reads_the_repor
     assert len(ids) == len(set(ids)), "a sample was generated twice"
 
     # The data-quality page, inside Airflow's run view.
-    page.goto(f"{af.url}/dags/dflash_regen/runs/{quote(run_id)}")
-    page.get_by_role("link", name="Data quality").click()
-    report = page.frame_locator("iframe").first
+    report = open_run_tab(page, af, run_id, "dflash-quality", "Data quality")
     report.locator("h1").filter(has_text="passed").wait_for(timeout=30_000)
-    page.screenshot(path=screenshots / "05-data-quality.png", full_page=True)
+    font_of(report)
+    page.screenshot(path=screenshots / "06-data-quality.png", full_page=True)
     assert int(report.locator("#prompts").inner_text().replace(",", "")) == counts["prompts"]
     assert int(report.locator("#kept").inner_text().replace(",", "")) == counts["published"]
     assert int(report.locator("#quarantined").inner_text().replace(",", "")) == counts["quarantined"]
@@ -158,15 +195,45 @@ def test_user_triggers_from_the_form_clears_the_failed_shard_and_reads_the_repor
     assert len(results) >= 10 and set(results) == {"pass"}, results
     assert report.locator("svg.chart rect.bar").count() > 5  # the loss-mask histogram
     report.get_by_role("link", name="Open the full Great Expectations Data Docs").click()
-    report.get_by_text("validations/").first.wait_for()  # the offline page list
-    page.screenshot(path=screenshots / "06-data-docs.png", full_page=True)
+    report.get_by_text("validation of dflash_quality").first.wait_for()  # the offline page list
+    assert all(b.is_hidden() for b in report.get_by_text("Clear Filters").all())  # GX filters need its CDN
+    page.screenshot(path=screenshots / "07-data-docs.png", full_page=True)
 
-    page.get_by_role("link", name="Fleet", exact=True).click()
-    fleet = page.frame_locator("iframe").first
+    fleet = open_run_tab(page, af, run_id, "dflash-fleet", "Fleet")
     fleet.locator("#servers").wait_for()
+    font_of(fleet)
     assert fleet.locator("#servers tr").count() == 1 + 7  # header + every server
     assert fleet.locator("#done").inner_text().split("/")[0].strip() == f"{len(ids):,}"
-    page.screenshot(path=screenshots / "07-fleet.png", full_page=True)
+    assert 'class="badge ok">run success' in fleet.locator("#run-state").inner_html()
+    incidents = fleet.locator("#incidents").inner_text()  # the server killed, the shard failed and retried
+    assert "shard 2 failed on server" in incidents and "shard 2 retried on server" in incidents, incidents
+    assert fleet.locator("svg.chart g.mark").count() == fleet.locator("#incidents li").count()
+    assert fleet.locator("#shards tr").nth(3).locator("td").nth(4).inner_text() == "2"  # shard 2: two attempts
+    page.screenshot(path=screenshots / "08-fleet.png", full_page=True)
+
+    # In the narrow side panel, then on its own through the page's full-page link.
+    page.set_viewport_size(SIDE_PANEL)
+    fleet.locator("#servers").wait_for()
+    page.locator("iframe").first.screenshot(path=screenshots / "09-fleet-side-panel.png")
+    # Airflow's iframe sandbox blocks target=_blank; the link opens through the top window (same origin).
+    with page.context.expect_page(timeout=10_000) as opened:
+        fleet.get_by_role("link", name="full page").click()
+    full = opened.value
+    full.set_viewport_size({"width": 1400, "height": 1000})
+    assert full.url.endswith(f"/dflash/runs/{quote(run_id, safe='')}/fleet"), full.url
+    full.locator("#incidents").wait_for()
+    font_of(full)
+    full.screenshot(path=screenshots / "10-fleet-full-page.png", full_page=True)
+    full.set_viewport_size({"width": NARROWEST, "height": 1000})
+    width = full.evaluate("document.documentElement.scrollWidth")
+    assert width <= NARROWEST, f"the page is {width} px wide at {NARROWEST} px: only its tables may scroll sideways"
+    full.screenshot(path=screenshots / "10b-fleet-370px.png", full_page=True)
+
+    # Browse > dflash-regen runs: Airflow's run id, its state and counts.
+    full.goto(f"{af.url}/dflash/")
+    row = full.locator("#runs tr", has_text=run_id)
+    assert "success" in row.inner_text() and f"{counts['published']:,}" in row.inner_text()
+    full.screenshot(path=screenshots / "11-runs.png", full_page=True)
     page.close()
 
 

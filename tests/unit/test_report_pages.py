@@ -1,7 +1,10 @@
 """The report pages over a hand-made run folder: what they show, what they refuse, and that they need auth."""
 
 import json
+import re
+import shutil
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -12,6 +15,47 @@ from dflash_regen import charts, run_report
 from dflash_regen.report_pages import build_app, offline_html
 
 RUN = "manual__2026-12-03T10:00:00+00:00"
+
+
+def capacity(advised_wall_s: float) -> dict:
+    scenario = {"wall_s": 160_560.0, "gpu_hours": 311.9, "extrapolated": False, "requests_per_s_per_server": 0.8}
+    return {
+        "binding": {"resource": "Mamba slots", "detail": "80 Mamba slots // 5 = 16 running requests, while the KV "
+                                                         "cache could hold 526 requests of ~2,166 tokens"},
+        "advice": {"server_flags": "--max-mamba-cache-size 160 --max-running-requests 32",
+                   "concurrency_per_server_advised": 36, "notes": []},
+        "allocation": [{"kv_tokens": 1139584}], "run": {"mean_prompt_tokens": 346.0, "mean_output_tokens": 1820.0},
+        "curve": {"measured_up_to": 16},
+        "scenarios": [{"name": "current", **scenario},
+                      {"name": "advised", **scenario, "wall_s": advised_wall_s, "gpu_hours": 271.8,
+                       "extrapolated": True}],
+        "table": [{"fleet tok/s": "10,280", "settings": "current", "running / server": "16"},
+                  {"fleet tok/s": "11,809", "settings": "advised", "running / server": "32 *"}]}
+
+
+class Airflow:
+    """Airflow's view of the runs, as the plugin hands it over (plain dicts)."""
+
+    def __init__(self, state="success", failed=()):
+        self.state, self.failed = state, set(failed)
+
+    def runs(self):
+        return [{"run_id": RUN, "state": self.state, "start": 900.0, "end": 1100.0}]
+
+    def run(self, run_id):
+        if run_id != RUN:
+            return None
+        tasks = [{"task_id": t, "map_index": -1, "state": "success", "try_number": 1} for t in
+                 ("stage_weights", "launch_fleet", "health_check", "smoke_test", "plan_shards", "calibrate",
+                  "validate", "publish")]
+        tasks += [{"task_id": "generate", "map_index": i, "state": "success", "try_number": 1} for i in (0, 1)]
+        for t in tasks:
+            label = t["task_id"] + (f"[{t['map_index']}]" if t["map_index"] >= 0 else "")
+            if label in self.failed:
+                t["state"] = "failed"
+            elif self.failed and t["task_id"] in ("validate", "publish"):
+                t["state"] = "upstream_failed"
+        return {**self.runs()[0], "tasks": tasks}
 FOLDER = "manual__2026-12-03T10_00_00_00_00"
 
 
@@ -39,11 +83,30 @@ def root(tmp_path):
     (reports / "smoke.json").write_text(json.dumps({"passed": True, "max_tokens": 16384, "servers": [
         {"server": "server 0 (GPU 0, 127.0.0.1:30000)", "ok": True, "results": [
             {"prompt": "coding", "ok": True, "finish_reason": "stop", "tokens_per_s": 150.0, "problem": ""}]}]}))
-    (reports / "capacity.json").write_text(json.dumps({
-        "binding": {"resource": "Mamba slots", "detail": "80 Mamba slots // 5 = 16 running requests"},
-        "advice": {"server_flags": "--max-mamba-cache-size 160 --max-running-requests 32",
-                   "concurrency_per_server_advised": 36, "notes": []},
-        "table": [{"fleet tok/s": "10,280", "settings": "current"}, {"fleet tok/s": "11,809", "settings": "advised"}]}))
+    (reports / "capacity.json").write_text(json.dumps(capacity(advised_wall_s=139_680.0)))
+    (run / "shards").mkdir()
+    (run / "shards" / "plan.json").write_text(json.dumps({"shards": [{"shard": 0, "prompts": 9}, {"shard": 1,
+                                                                                                 "prompts": 8}]}))
+    # Shard 0 failed on server 2 (killed), was retried on server 0 and finished; shard 1 runs with 5 done in
+    # memory (its heartbeat) but only 2 checkpointed.
+    (run / "status").mkdir()
+    (run / "status" / "shard-00000.json").write_text(json.dumps({"shard": 0, "total": 9, "state": "done", "done": 8,
+        "quarantined": 1, "output_tokens": 600, "attempts": [
+            {"server": "server 2 (GPU 2)", "started_at": 990.0, "updated_at": 995.0, "ended_at": 995.0,
+             "state": "failed", "done_before": 0, "done": 2, "output_tokens": 200,
+             "error": "shard 0 stopped on server 2 (GPU 2): server 2 stopped answering"},
+            {"server": "server 0 (GPU 0)", "started_at": 1000.0, "updated_at": 1006.0, "ended_at": 1006.0,
+             "state": "done", "done_before": 2, "done": 8, "output_tokens": 600}]}))
+    (run / "status" / "shard-00001.json").write_text(json.dumps({"shard": 1, "total": 8, "state": "running", "done": 5,
+        "quarantined": 0, "output_tokens": 500, "attempts": [
+            {"server": "server 1 (GPU 1)", "started_at": 1000.0, "updated_at": 1005.0, "state": "running",
+             "done_before": 0, "done": 5, "output_tokens": 500}]}))
+    (run / "fleet").mkdir()
+    (run / "fleet" / "unhealthy-2").write_text("server 2 (GPU 2) stopped answering (8 failures in a row)")
+    (run / "fleet" / "server-0.json").write_text(json.dumps({"pid": 1, "launched_at": 998.0}))
+    write_parquet(run / "completions" / "shard-00001" / "part-1.parquet",
+                  {"sample_id": ["t0", "t1"], "server": ["server 1 (GPU 1)"] * 2, "finished_at": [1003.0, 1004.0],
+                   "completion_tokens": [100, 100]})
     write_parquet(run / "tokenized" / "summary-00000.parquet",
                   {"loss_mask_sum": [6, 6, 6, 6, 900, 1200, 1500, 2000]})
     write_parquet(run / "failures" / "plan.parquet", {"sample_id": ["a"], "reason": ["bad_role"]})
@@ -102,14 +165,90 @@ def test_quality_page_shows_failed_expectations_counts_and_the_empty_answer_spik
 def test_fleet_page_shows_allocation_smoke_and_progress_without_double_counting_parts(client):
     report = client.get(f"/runs/{RUN}/fleet.json").json()
     progress = report["progress"]
-    assert progress["planned"] == 9 and progress["done"] == 8 + 1  # completions + a sample the server refused
-    assert progress["rate_per_s"] == pytest.approx(1.0)
-    assert progress["eta_s"] == pytest.approx(0.0)  # nothing left
+    # shard 0: 8 completions + a sample the server refused; shard 1: 5 done by its heartbeat (2 checkpointed)
+    assert progress["planned"] == 9 and progress["done"] == 8 + 1 + 5
+    assert progress["running_shards"] == [1]
+    shards = {s["shard"]: s for s in report["shards"]}
+    assert (shards[0]["attempts"], shards[0]["server"], shards[0]["done"]) == (2, "server 0 (GPU 0)", 9)
+    assert (shards[1]["state"], shards[1]["done"], shards[1]["tok_s"]) == ("running", 5, 100.0)
     html = client.get(f"/runs/{RUN}/fleet").text
     assert "1,139,584" in html and "Mamba slots (80 // 5 = 16)" in html and "coding" in html
     assert "server 0 <b>" not in html and "server 0 &lt;b&gt;" in html  # names are escaped
     assert "<b>Mamba slots</b>" in html and "--max-mamba-cache-size 160 --max-running-requests 32" in html
     assert html.index("<th>settings</th>") < html.index("<th>fleet tok/s</th>") and "11,809" in html
+    assert 'id="extrapolated"' in html  # the table's "*" is explained
+    assert set(re.findall(r"(\d[\d,]*) requests(?:</b>)? of ~", html)) == {"526"}  # one KV figure: measured
+
+
+def test_fleet_page_lists_the_incidents_and_marks_them_on_the_chart(client):
+    report = client.get(f"/runs/{RUN}/fleet.json").json()
+    kinds = [(i["kind"], i["text"]) for i in report["incidents"]]
+    assert ("shard failed", "shard 0 stopped on server 2 (GPU 2): server 2 stopped answering") in kinds
+    assert ("relaunch", "fleet relaunched (1 servers) after shard work had started") in kinds
+    assert any(k == "retry" and "shard 0 retried on server 0 (GPU 0) (2 done before" in t for k, t in kinds)
+    assert ("server unhealthy", "server 2 (GPU 2) stopped answering (8 failures in a row)") in kinds
+    html = client.get(f"/runs/{RUN}/fleet").text
+    assert html.count('<g class="mark">') == len(kinds) and 'class="incident shard-failed"' in html
+
+
+def test_advice_is_given_only_when_the_plan_predicts_a_gain(root, client):
+    html = client.get(f"/runs/{RUN}/fleet").text
+    assert "relaunch with <code>server_flags --max-mamba-cache-size 160" in html and "13% less" in html
+    (root / "runs" / FOLDER / "reports" / "capacity.json").write_text(json.dumps(capacity(advised_wall_s=170_000.0)))
+    html = client.get(f"/runs/{RUN}/fleet").text
+    assert "relaunch with" not in html and "No change advised" in html and "not predicted to be faster" in html
+
+
+def test_pages_keep_their_stylesheet_unescaped(client):
+    """Autoescaping the inline CSS turned '"Segoe UI"' into '&#34;Segoe UI&#34;' and the browser dropped the
+    font rule: every page rendered in Times."""
+    for path in ("/", f"/runs/{RUN}/quality", f"/runs/{RUN}/fleet", f"/runs/{RUN}/data-docs/index.html",
+                 f"/runs/{RUN}/data-docs/nope.html"):
+        html = client.get(path).text
+        style = html.split("<style>", 1)[1].split("</style>", 1)[0]
+        assert 'font:14px/1.45 system-ui,-apple-system,"Segoe UI"' in style and "&#34;" not in style, path
+
+
+def test_a_failed_run_says_where_it_stopped_on_every_page(root):
+    (root / "runs" / FOLDER / "reports" / "quality.json").unlink()
+    shutil.rmtree(root / "runs" / FOLDER / "reports" / "data_docs")
+    client = TestClient(build_app(root, require_token, Airflow("failed", failed={"generate[0]"})),
+                        headers={"Authorization": "Bearer good"})
+    for page in ("quality", "fleet"):
+        html = client.get(f"/runs/{RUN}/{page}").text
+        assert 'class="badge fail">run failed' in html and "<b>generate[0]</b> failed" in html, page
+        assert "server 2 stopped answering" in html and "not run: validate, publish" in html, page
+        assert "/tasks/generate/mapped/0" in html, page  # the link to the failed shard's log
+    assert "The gate never ran: the run failed at generate[0]" in client.get(f"/runs/{RUN}/quality").text
+    docs = client.get(f"/runs/{RUN}/data-docs/index.html")
+    assert docs.status_code == 404 and docs.headers["content-type"].startswith("text/html")
+    assert "the run failed at <b>generate[0]</b>, before validating" in docs.text
+
+
+def test_runs_table_lists_airflows_run_ids_with_state_counts_and_links(root):
+    (root / "runs" / "dag_test_leftover").mkdir()
+    client = TestClient(build_app(root, require_token, Airflow()), headers={"Authorization": "Bearer good"})
+    html = client.get("/").text
+    row = html.split('id="runs"', 1)[1].split("</table>", 1)[0]
+    assert f">{RUN}</a>" in row and 'class="badge ok">success' in row and "3m 20s" in row
+    assert '<td class="num">10</td><td class="num">4</td><td class="num">6</td>' in row  # prompts, published, quar.
+    assert 'href="../dags/dflash_regen/runs/manual__2026-12-03T10%3A00%3A00%2B00%3A00" target="_top"' in row
+    assert 'href="runs/manual__2026-12-03T10%3A00%3A00%2B00%3A00/fleet"' in row and "Data Docs" in row
+    assert "dag_test_leftover" in html.split('id="folders"', 1)[1]
+
+
+def test_throughput_chart_cuts_out_the_pause_between_attempts():
+    # 30 s of work, 10 minutes of nothing (a failed shard waiting for its clear), 30 s of work
+    finished = np.array([1000.0 + i for i in range(30)] + [1630.0 + i for i in range(30)])
+    series = run_report.throughput_series({"s0": (finished, np.full(60, 100.0))},
+                                          marks=[{"at": 1040.0, "kind": "retry", "text": "shard 0 retried"}])
+    assert len(series["breaks"]) == 1 and series["breaks"][0]["idle_s"] == pytest.approx(601.0)
+    assert series["bins"] <= run_report.THROUGHPUT_POINTS + 2 and series["bin_s"] == pytest.approx(1.0)
+    assert series["marks"][0]["at_bin"] == pytest.approx(series["breaks"][0]["at"])  # in the pause: at the cut
+    assert sum(series["servers"]["s0"]) * series["bin_s"] == pytest.approx(6000.0)  # no token lost
+    svg = charts.time_series(series["servers"], bin_s=series["bin_s"], x_title="t", y_title="tok/s",
+                             ticks=series["ticks"], breaks=series["breaks"], marks=series["marks"])
+    assert "10m01 idle" in svg and svg.count("<polyline") == 2 and "10m30" in svg
 
 
 def test_data_docs_are_served_offline_and_nothing_outside_them(client):
@@ -123,6 +262,14 @@ def test_data_docs_are_served_offline_and_nothing_outside_them(client):
                  "/runs/nope/quality"):
         r = client.get(path)
         assert r.status_code == 404 and "top secret" not in r.text, path
+
+
+def test_gx_data_docs_lose_what_only_works_online():
+    html = ('<html><head></head><body><div id="t-body-table-toolbar"><button>Clear Filters</button></div>'
+            '<span>Expectation Suite: x<br> Data asset: None<br> Status: ok</span></body></html>')
+    out = offline_html(html, [("validations/a.html", "validation of a")], back="../quality")
+    assert "Data asset" not in out and "[id$=-table-toolbar]" in out and "footer" in out
+    assert '<body class="gx-docs"><nav><a href="../quality"' in out and ">validation of a</a>" in out
 
 
 def test_offline_html_strips_remote_tags_but_keeps_local_ones():
