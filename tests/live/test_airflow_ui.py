@@ -7,6 +7,7 @@ leaves a failed shard for the test to clear, as a person would. Screenshots go t
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 from urllib.parse import quote, unquote
@@ -128,6 +129,36 @@ def fail_one_shard(af: LiveAirflow, run_id: str, shard: int, victim: str, datase
     return killer.killed
 
 
+def task_error(af: LiveAirflow, run_id: str, task_id: str, try_number: int, map_index: int = -1) -> str:
+    """'<type>: <message>' of the exception a task failed with, as Airflow logged it (error_detail)."""
+    r = af.api("GET", f"/api/v2/dags/dflash_regen/dagRuns/{run_id}/taskInstances/{task_id}/logs/{try_number}",
+               params={"map_index": map_index, "full_content": True}, headers={"Accept": "application/json"})
+    for entry in r.json()["content"]:
+        for error in (entry.get("error_detail") or []) if isinstance(entry, dict) else []:
+            return f"{error['exc_type']}: {error['exc_value']}"
+    raise AssertionError(f"no exception in the log of {task_id}[{map_index}] try {try_number}")
+
+
+def test_the_form_refuses_a_shard_size_of_zero_before_a_run_exists(live_airflow, browser, screenshots):
+    af = live_airflow
+    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    log_in(page, af)
+    runs = af.api("GET", "/api/v2/dags/dflash_regen/dagRuns").json()["total_entries"]
+    page.goto(f"{af.url}/dags/dflash_regen")
+    page.get_by_role("button", name="Trigger Dag").click()
+    form = page.locator("[role=dialog][data-state=open]")
+    form.get_by_role("button", name="Prompts", exact=True).click()
+    field = form.locator("input[name=element_shard_size]")
+    field.fill("0")
+    field.blur()  # the number box used to clamp 0 to the schema's minimum of 1 here, and the run went ahead
+    assert field.input_value() == "0"
+    form.get_by_role("button", name="Trigger", exact=True).click()
+    page.get_by_text("0 is less than the minimum of 1").first.wait_for(timeout=30_000)
+    page.screenshot(path=screenshots / "02b-bad-shard-size-refused.png")
+    assert af.api("GET", "/api/v2/dags/dflash_regen/dagRuns").json()["total_entries"] == runs
+    page.close()
+
+
 def test_user_triggers_from_the_form_clears_the_failed_shard_and_reads_the_reports(live_airflow, browser,
                                                                                    screenshots):
     af = live_airflow
@@ -135,7 +166,6 @@ def test_user_triggers_from_the_form_clears_the_failed_shard_and_reads_the_repor
     log_in(page, af)
     page.screenshot(path=screenshots / "01-logged-in.png")
 
-    # (issue 17, the form's half: a bad shard_size is refused here, before any run starts)
     form = {("Prompts", "shard_size"): "20", ("Dispatch", "checkpoint_every"): "4",
             ("Dispatch", "calibration_prompts"): "32"}  # the smallest calibration: twice the 16 slots
     run_id = trigger_from_form(page, af, form, screenshots / "02-trigger-form.png")
@@ -156,9 +186,17 @@ def test_user_triggers_from_the_form_clears_the_failed_shard_and_reads_the_repor
     assert "the run failed at generate[2], before validating" in quality.locator("#why").inner_text()
 
     # The user opens the failed shard, reads why, and clears it (with Downstream, the form's default).
+    # The first line of its error names the server and how it died.
+    spec = next(s for s in (json.loads(p.read_text()) for p in (folder / "fleet").glob("server-*.json"))
+                if s["pid"] == killed["pid"])
+    server = f"server {spec['index']} (GPU {spec['gpu']}, 127.0.0.1:{spec['port']})"
+    first = task_error(af, run_id, "generate", 1, map_index=2).splitlines()[0]
+    assert re.fullmatch(rf"ShardFailed: shard 2 failed on {re.escape(server)}: the server process was killed by "
+                        r"SIGKILL; \d+ of \d+ samples are kept, a retry or a clear of this shard sends only the "
+                        r"other \d+, to another server", first), first
     page.goto(f"{af.url}/dags/dflash_regen/runs/{quote(run_id)}/tasks/generate/mapped/2")
-    page.get_by_text("marked").first.wait_for(timeout=30_000)  # "marked server N unhealthy: ..." in the log
-    # (issue 17, the shard's half: the log's first line names the server and how it died)
+    page.get_by_text(f"shard 2 failed on {server}: the server process was killed by SIGKILL").first \
+        .wait_for(timeout=30_000)
     page.screenshot(path=screenshots / "04-failed-shard-log.png")
     page.get_by_role("button", name="Press shift+c to clear").click()
     dialog = page.locator("[role=dialog][data-state=open]")
