@@ -88,7 +88,8 @@ def scan(source: Path) -> tuple[list[Path], list[Path]]:
     files += hf_files
     if not files:
         raise PromptSourceError(f"prompt source {source} has no readable files (need {', '.join(SUFFIXES)} or "
-                                f"a datasets save_to_disk folder); found {[p.name for p in docs][:3] or 'nothing'}")
+                                f"a datasets save_to_disk folder); found {[p.name for p in docs][:3] or 'nothing'}. "
+                                "Put the prompt files there, or set Param prompt_source to the folder that holds them")
     return files, docs
 
 
