@@ -148,6 +148,7 @@ def dag(airflow_db):
     return DagBag(dag_folder=str(ROOT / "dags")).dags["dflash_regen"]
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which turns the mark into the node id's @group
 def pytest_collection_modifyitems(items):
     """Under pytest-xdist (`--dist loadgroup`), every test of the one live Airflow runs on one worker, so the
     session starts it once; the other workers take the rest of the suite meanwhile."""
