@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -70,6 +71,19 @@ def processes_mentioning(text: str) -> list[int]:
         if text in cmdline and state != "Z":
             pids.append(int(proc.name))
     return pids
+
+
+@contextlib.contextmanager
+def tmpfs(path: Path, options: str, why: str):
+    """A real small or read-only filesystem at `path` (mounted for the block, then unmounted); skips without root."""
+    path.mkdir(parents=True, exist_ok=True)
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], capture_output=True,
+                      check=False).returncode != 0:
+        pytest.skip(f"needs root to mount {why}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", str(path)], check=False)
 
 
 @pytest.fixture

@@ -230,7 +230,7 @@ def preflight(cfg: FleetConfig, servers: list[Server], model_path: Path) -> Dial
 
 
 # ------------------------------------------------------------------------------------------ process control
-def _start_ticks(pid: int) -> int:
+def start_ticks(pid: int) -> int:
     """Process start time in clock ticks since boot (field 22 of /proc/<pid>/stat); 0 if gone."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
@@ -275,7 +275,7 @@ def start_server(server: Server, base_env: dict[str, str], fleet_dir: Path,
         raise FleetError(f"{server.name} could not be started (watcher exit {proc.returncode}); log: "
                          f"{server.log_path}; last lines:\n{log_tail(server.log_path, api_key)}")
     pid = int(line)
-    launched = Server(**{**asdict(server), "pid": pid, "start_ticks": _start_ticks(pid), "pgid": proc.pid})
+    launched = Server(**{**asdict(server), "pid": pid, "start_ticks": start_ticks(pid), "pgid": proc.pid})
     record = {**asdict(launched), "argv": [redact(a, api_key) for a in launched.argv],
               "env": base_env, "launched_at": time.time()}
     path = spec_path(fleet_dir, server.index)

@@ -38,7 +38,7 @@ from dflash_regen import atomic, sglang, shard_status
 from dflash_regen.config import GenerationSettings
 from dflash_regen.errors import ConfigError, DflashError, NotRetryable
 from dflash_regen.fleet import Server, healthy_servers, how_it_ended, is_alive, load_servers, log_tail, mark_unhealthy
-from dflash_regen.planning import QUARANTINE_SCHEMA, _TokenCounter
+from dflash_regen.planning import QUARANTINE_SCHEMA, TokenCounter
 from dflash_regen.prompts import Prompt
 from dflash_regen.sglang import (
     AuthError,
@@ -342,9 +342,12 @@ class Generator:
 
 # ------------------------------------------------------------------------------------------------ a shard
 def _shard_failed(shard: int, server: Server, error: BaseException, fleet_dir: Path, api_key: str, kept: int,
-                  total: int) -> ShardFailed:
-    """Record where the shard failed when the server is at fault, and build the error: its first line says what
-    happened to which server and what a retry will do; the cause and the server's log tail follow."""
+                  total: int, status: shard_status.ShardStatus | None) -> ShardFailed:
+    """Record where the shard failed when the server is at fault (unhealthy marker, failure record, the shard's
+    status), and build the error: its first line says what happened to which server and what a retry will do;
+    the cause and the server's log tail follow."""
+    if isinstance(error, ServerUnhealthy):
+        mark_unhealthy(fleet_dir, server, str(error))
     ended = how_it_ended(fleet_dir, server, wait_s=2.0)
     if ended:
         what = f"the server process {ended}"
@@ -356,8 +359,11 @@ def _shard_failed(shard: int, server: Server, error: BaseException, fleet_dir: P
         record_failure(fleet_dir, shard, server, what)
     first = (f"shard {shard} failed on {server.name}: {what}; {kept:,} of {total:,} samples are kept, a retry or "
              f"a clear of this shard sends only the other {total - kept:,}, to another server")
-    return ShardFailed(f"{first}\ncause: {type(error).__name__}: {error}\nlast lines of {server.log_path}:\n"
-                       f"{log_tail(server.log_path, api_key, 10)}")
+    failure = ShardFailed(f"{first}\ncause: {type(error).__name__}: {error}\nlast lines of {server.log_path}:\n"
+                          f"{log_tail(server.log_path, api_key, 10)}")
+    if status:
+        status.finish("failed", failure)
+    return failure
 
 
 @dataclass
@@ -399,7 +405,7 @@ def _too_long(rows: list[dict], server: Server, context: int, max_tokens: int) -
     if budget <= 0:
         raise ConfigError(f"{server.name} has a context length of {context:,} tokens, no room for Param max_tokens="
                           f"{max_tokens:,}: lower max_tokens, or relaunch with a larger --context-length")
-    counter, found = _TokenCounter(), {}  # planning's own count (the tokenizer loads only if a prompt is long)
+    counter, found = TokenCounter(), {}  # planning's own count (the tokenizer loads only if a prompt is long)
     for row in rows:
         size = len(row["messages"].encode()) + len((row["tools"] or "").encode())  # a token is at least a byte
         if size + 64 < budget:
@@ -451,12 +457,8 @@ def generate_shard(paths: ShardPaths, lease: Lease, api_key: str, settings: Gene
     try:
         slots, revision, context = _server_facts(server, api_key)
     except ServerUnhealthy as exc:
-        mark_unhealthy(fleet_dir, server, str(exc))
-        failure = _shard_failed(paths.shard, server, exc, fleet_dir, api_key, len(done_ids) + len(failed_ids),
-                                table.num_rows)
-        if status:
-            status.finish("failed", failure)
-        raise failure from None
+        raise _shard_failed(paths.shard, server, exc, fleet_dir, api_key, len(done_ids) + len(failed_ids),
+                            table.num_rows, status) from None
     too_long = _too_long(todo, server, context, settings.max_tokens)
     todo = [row for row in todo if row["sample_id"] not in too_long]
     in_flight = settings.in_flight or slots
@@ -541,14 +543,9 @@ def generate_shard(paths: ShardPaths, lease: Lease, api_key: str, settings: Gene
             status.finish("failed", error)
         raise error
     if error is not None:
-        if isinstance(error, ServerUnhealthy):
-            mark_unhealthy(fleet_dir, server, str(error))
         kept = len(done_ids) + len(failed_ids) + stats["completed"] + stats["quarantined"]
-        failure = _shard_failed(paths.shard, server, error, fleet_dir, api_key, kept, table.num_rows)
-        if status:
-            status.finish("failed", failure)
         # from None: the message carries the cause; a chain of requests/urllib3 errors would bury it.
-        raise failure from None
+        raise _shard_failed(paths.shard, server, error, fleet_dir, api_key, kept, table.num_rows, status) from None
     progress()
     completed = merge_parts(paths.parts, paths.output, COMPLETION_SCHEMA)
     quarantined = merge_parts(paths.failures, paths.failures_output, QUARANTINE_SCHEMA)

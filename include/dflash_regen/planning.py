@@ -48,7 +48,7 @@ def fingerprint(source: Path, settings: PlanSettings) -> str:
     return h.hexdigest()
 
 
-class _TokenCounter:
+class TokenCounter:
     """Exact Qwen3.6 token counts, computed only for prompts long enough to possibly not fit."""
 
     def __init__(self):
@@ -77,7 +77,7 @@ def plan_shards(source: Path, shards_dir: Path, quarantine_path: Path, settings:
     if budget <= 0:
         raise PlanFailed(f"max_tokens {settings.max_tokens:,} leaves no room for a prompt in context_length "
                          f"{settings.context_length:,}; lower max_tokens or raise context_length")
-    counter = _TokenCounter()
+    counter = TokenCounter()
     seen: set[int] = set()
     rejected: list[Rejection] = []
     rows: list[tuple[Prompt, int | None]] = []

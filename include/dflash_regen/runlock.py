@@ -39,7 +39,7 @@ def read_holder(output_root: Path) -> dict | None:
 
 def _is_this_process(holder: dict) -> bool:
     return holder["host"] == socket.gethostname() and holder["pid"] == os.getpid() and \
-        holder["start_ticks"] == fleet._start_ticks(os.getpid())
+        holder["start_ticks"] == fleet.start_ticks(os.getpid())
 
 
 def acquire(output_root: Path, run_id: str, run_dir: str, run_is_active: Callable[[str], bool]) -> None:
@@ -69,7 +69,7 @@ def acquire(output_root: Path, run_id: str, run_dir: str, run_is_active: Callabl
                         output_root)
         atomic.write_json(output_root / LOCK_FILE, {"run_id": run_id, "run_dir": run_dir, "pid": os.getpid(),
                                                     "host": socket.gethostname(), "taken_at": time.time(),
-                                                    "start_ticks": fleet._start_ticks(os.getpid())})
+                                                    "start_ticks": fleet.start_ticks(os.getpid())})
 
 
 def reap_orphans(output_root: Path, run_dir: str) -> list[str]:

@@ -10,11 +10,11 @@ test-sized run takes milliseconds, too short to kill from outside reliably.
 """
 
 import json
-import subprocess
 from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
+from conftest import tmpfs
 from dag_helpers import run_dir_of, states
 
 from dflash_regen.demo_prompts import demo_rows
@@ -119,12 +119,7 @@ def test_5_low_allocation_fails_health_naming_the_server(dag, run_params, caplog
 
 
 def test_7_staging_dir_without_space_fails_before_copying(dag, run_params, tmp_path, caplog, capfd):
-    small = tmp_path / "small-shm"
-    small.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(small)], capture_output=True,
-                      check=False).returncode != 0:
-        pytest.skip("needs root to mount a small tmpfs (a real full RAM disk)")
-    try:
+    with tmpfs(tmp_path / "small-shm", "size=2m", "a small tmpfs (a real full RAM disk)") as small:
         conf = run_params(7, staging_dir=str(small / "model"))
         dag_run = dag.test(run_conf=conf)
         got = states(dag_run)
@@ -132,8 +127,6 @@ def test_7_staging_dir_without_space_fails_before_copying(dag, run_params, tmp_p
         assert "not enough free space in" in logs(caplog, capfd) and "only 2.10 MB free" in logs(caplog, capfd)
         assert not any((small / "model").glob("*.safetensors"))
         check_invariants(conf, dag_run, published=False)
-    finally:
-        subprocess.run(["umount", str(small)], check=False)
 
 
 def test_8_and_12_looping_reasoning_is_truncated_quarantined_and_too_much_of_it_fails_the_gate(

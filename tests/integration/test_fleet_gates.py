@@ -129,11 +129,11 @@ def test_stop_never_kills_a_recycled_pid(tmp_path):
     proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
     try:
         impostor = fleet.Server(0, "0", "127.0.0.1", 1, [], str(tmp_path / "log"), pid=proc.pid,
-                                start_ticks=fleet._start_ticks(proc.pid) + 1)
+                                start_ticks=fleet.start_ticks(proc.pid) + 1)
         assert fleet.stop_servers([impostor]) == []
         time.sleep(0.2)
         assert proc.poll() is None
-        real = fleet.Server(**{**impostor.__dict__, "start_ticks": fleet._start_ticks(proc.pid)})
+        real = fleet.Server(**{**impostor.__dict__, "start_ticks": fleet.start_ticks(proc.pid)})
         assert len(fleet.stop_servers([real])) == 1
         assert proc.wait(5) is not None
     finally:

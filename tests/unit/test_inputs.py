@@ -2,9 +2,9 @@
 
 import gzip
 import json
-import subprocess
 
 import pytest
+from conftest import tmpfs
 
 from dflash_regen import inputs
 from dflash_regen.errors import ConfigError
@@ -23,17 +23,10 @@ def test_an_output_root_under_a_file_names_the_param_and_the_fix(tmp_path):
 
 
 def test_a_read_only_output_root_names_the_param(tmp_path):
-    ro = tmp_path / "ro"
-    ro.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(ro)], capture_output=True,
-                      check=False).returncode != 0:
-        pytest.skip("needs root to mount a read-only filesystem")
-    try:
-        with pytest.raises(ConfigError, match=r"^Param output_root '.*/ro/out' is not writable \(Read-only file "
-                                              r"system\)"):
-            inputs.check_output_root(ro / "out")
-    finally:
-        subprocess.run(["umount", str(ro)], check=False)
+    with tmpfs(tmp_path / "ro", "ro,size=1m", "a read-only filesystem") as ro, \
+            pytest.raises(ConfigError, match=r"^Param output_root '.*/ro/out' is not writable \(Read-only file "
+                                             r"system\)"):
+        inputs.check_output_root(ro / "out")
 
 
 def test_a_missing_source_or_a_folder_without_prompt_files_names_the_param(tmp_path):
