@@ -70,8 +70,9 @@ def exit_path(fleet_dir: Path, index: int) -> Path:
 
 
 def how_it_ended(fleet_dir: Path, server: Server, wait_s: float = 0.0) -> str:
-    """'was killed by SIGKILL', 'exited with code 1', or '' while the process runs. The watcher writes the
-    record as the server ends, so a caller that just saw the server vanish can wait a moment for it."""
+    """'was killed by SIGKILL', 'exited with code 1', or '' while the process runs. A caller that just lost
+    its connections waits up to `wait_s`: a dying process still looks alive until the kernel has closed
+    its sockets, and the watcher writes the record only after that."""
     deadline = time.monotonic() + wait_s
     while True:
         try:
@@ -82,10 +83,9 @@ def how_it_ended(fleet_dir: Path, server: Server, wait_s: float = 0.0) -> str:
             if record["signal"]:
                 return f"was killed by {record['signal']}"
             return f"exited with code {record['returncode']}"
-        if is_alive(server):
-            return ""
+        alive = is_alive(server)
         if time.monotonic() >= deadline:
-            return "is gone (no exit status recorded: its watcher was killed too)"
+            return "" if alive else "is gone (no exit status recorded: its watcher was killed too)"
         time.sleep(0.05)
 
 

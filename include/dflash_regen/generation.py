@@ -346,8 +346,6 @@ def _shard_failed(shard: int, server: Server, error: BaseException, fleet_dir: P
     """Record where the shard failed when the server is at fault (unhealthy marker, failure record, the shard's
     status), and build the error: its first line says what happened to which server and what a retry will do;
     the cause and the server's log tail follow."""
-    if isinstance(error, ServerUnhealthy):
-        mark_unhealthy(fleet_dir, server, str(error))
     ended = how_it_ended(fleet_dir, server, wait_s=2.0)
     if ended:
         what = f"the server process {ended}"
@@ -355,7 +353,8 @@ def _shard_failed(shard: int, server: Server, error: BaseException, fleet_dir: P
         what = "the server stopped answering although its process runs (marked unhealthy)"
     else:
         what = "a request kept failing after its retries"
-    if ended or isinstance(error, ServerUnhealthy):
+    if ended or isinstance(error, ServerUnhealthy):  # the server is at fault: no other shard should lease it
+        mark_unhealthy(fleet_dir, server, f"{what}: {error}")
         record_failure(fleet_dir, shard, server, what)
     first = (f"shard {shard} failed on {server.name}: {what}; {kept:,} of {total:,} samples are kept, a retry or "
              f"a clear of this shard sends only the other {total - kept:,}, to another server")
