@@ -41,16 +41,12 @@ import pyarrow.parquet as pq
 
 from dflash_regen import atomic
 from dflash_regen.config import GenerationSettings
-from dflash_regen.errors import DflashError
+from dflash_regen.errors import Cancelled, CapacityError, MetricsMissing, PromptError, TooFewPrompts, TransientError
 from dflash_regen.fleet import Server
 from dflash_regen.generation import chat_payload, sample_seed
 from dflash_regen.sglang import (
     Api,
-    Cancelled,
     ChatResult,
-    MetricsMissing,
-    PromptError,
-    TransientError,
     make_session,
     with_retries,
 )
@@ -66,14 +62,6 @@ COMPUTE_GAIN = 0.10  # doubling the batch adds less than this: the GPU, not a se
 KV_HEADROOM = 1.25  # KV tokens per request of mean size the advised batch must keep (SGLang retracts when full)
 GRAPH_BATCH = 8  # SGLang captures CUDA graphs at batch sizes in steps of 8: advise a multiple of it
 INTERVAL = (10, 90)  # percentiles of the reported interval
-
-
-class CapacityError(DflashError):
-    """The fleet could not be measured (no metrics, no answers, no prompts)."""
-
-
-class TooFewPrompts(CapacityError):
-    """The run is smaller than one calibration: there is nothing worth predicting."""
 
 
 # ------------------------------------------------------------------------------------------------ the curve

@@ -37,9 +37,7 @@ from dflash_regen import (
 from dflash_regen.config import DEMO_MODEL, DEMO_PROMPTS, RunConfig
 from dflash_regen.demo_model import write_demo_model
 from dflash_regen.demo_prompts import write_demo_prompts
-from dflash_regen.errors import ConfigError, GateFailed, NotRetryable, PublishRefused, StagingError
-from dflash_regen.prompt_sources import PromptSourceError
-from dflash_regen.tokenize import TokenizeError
+from dflash_regen.errors import GateFailed, NotRetryable, PublishRefused
 
 log = logging.getLogger(__name__)
 
@@ -49,8 +47,7 @@ def fail_fast(fn):
     def wrapper(*args, **kwargs):
         try:
             return fn(*args, **kwargs)
-        except (ConfigError, GateFailed, StagingError, PromptSourceError, PublishRefused, TokenizeError,
-                NotRetryable) as exc:
+        except NotRetryable as exc:
             # One exception in the library error's place (its traceback, its cause): the task log's error then
             # opens with the library's message instead of repeating it under a second traceback.
             raise AirflowFailException(f"{type(exc).__name__}: {exc}").with_traceback(exc.__traceback__) \

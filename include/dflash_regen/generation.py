@@ -36,19 +36,23 @@ import pyarrow.parquet as pq
 
 from dflash_regen import atomic, sglang, shard_status
 from dflash_regen.config import GenerationSettings
-from dflash_regen.errors import ConfigError, DflashError, NotRetryable
+from dflash_regen.errors import (
+    AuthError,
+    ConfigError,
+    DflashError,
+    NoServerFree,
+    NotRetryable,
+    PromptError,
+    ServerError,
+    ServerUnhealthy,
+    ShardFailed,
+    TooManyPromptErrors,
+    TransientError,
+)
 from dflash_regen.fleet import Server, healthy_servers, how_it_ended, is_alive, load_servers, log_tail, mark_unhealthy
 from dflash_regen.planning import QUARANTINE_SCHEMA, TokenCounter
 from dflash_regen.prompts import Prompt
-from dflash_regen.sglang import (
-    AuthError,
-    ChatResult,
-    PromptError,
-    ServerError,
-    TransientError,
-    make_session,
-    stream_chat,
-)
+from dflash_regen.sglang import ChatResult, make_session, stream_chat
 
 log = logging.getLogger(__name__)
 
@@ -67,24 +71,8 @@ COMPLETION_SCHEMA = pa.schema([
 ])
 
 
-class ServerUnhealthy(DflashError):
-    """The leased server stopped answering; the task fails so its retry leases another one."""
-
-
 class _Stopped(ServerUnhealthy):
     """Raised in the other workers once one of them found the server dead: not the cause, only its echo."""
-
-
-class NoServerFree(DflashError):
-    """Every healthy server is leased by another shard task (or none is healthy)."""
-
-
-class TooManyPromptErrors(NotRetryable):
-    """More of a shard's prompts were refused by the servers than Param max_generate_error_share allows."""
-
-
-class ShardFailed(DflashError):
-    """A shard stopped on its server; its checkpointed results are kept and a retry sends only the rest."""
 
 
 # ---------------------------------------------------------------------------------- where a shard failed

@@ -17,7 +17,7 @@ import pyarrow as pa
 
 from dflash_regen import atomic
 from dflash_regen.config import PlanSettings
-from dflash_regen.errors import ConfigError
+from dflash_regen.errors import PlanFailed
 from dflash_regen.prompt_sources import iter_raw, scan, source_files
 from dflash_regen.prompts import Prompt, Rejection, parse_row
 
@@ -30,10 +30,6 @@ QUARANTINE_SCHEMA = pa.schema([("location", pa.string()), ("stage", pa.string())
 # ChatML framing per turn (<|im_start|>role\n ... <|im_end|>\n) and the generation header, in tokens.
 TURN_OVERHEAD_TOKENS = 5
 HEADER_TOKENS = 5
-
-
-class PlanFailed(ConfigError):
-    """Too many bad rows, or nothing to plan: fix the input rather than retry."""
 
 
 def shard_label(index: int, prompts: int) -> str:

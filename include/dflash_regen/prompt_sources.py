@@ -26,13 +26,11 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+from dflash_regen.errors import PromptSourceError
+
 SUFFIXES = (".jsonl", ".jsonl.gz", ".json", ".json.gz", ".csv", ".parquet")
 HF_METADATA = ("state.json", "dataset_info.json")
 _CHUNK = 1 << 16
-
-
-class PromptSourceError(ValueError):
-    """The prompt source itself is unusable (missing, unsupported files, unreadable JSON array)."""
 
 
 def _is_doc(path: Path) -> bool:

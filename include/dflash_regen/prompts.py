@@ -20,7 +20,8 @@ import hashlib
 import json
 from dataclasses import dataclass
 
-from dflash_regen.tool_schemas import SchemaError, normalize_tool
+from dflash_regen.errors import SchemaError
+from dflash_regen.tool_schemas import normalize_tool
 
 ROLES = {"system", "user", "assistant", "tool"}
 FORMATS = ("openai", "sharegpt", "specforge", "prompt")

@@ -21,6 +21,7 @@ import pyarrow.parquet as pq
 
 from dflash_regen import shard_status
 from dflash_regen.config import safe_run_id
+from dflash_regen.errors import RunNotFound
 
 HISTOGRAM_BINS = 40
 THROUGHPUT_POINTS = 60
@@ -30,10 +31,6 @@ PIPELINE = ("stage_weights", "launch_fleet", "health_check", "smoke_test", "plan
 RUNNING_STATES = {"running", "queued", "scheduled", "up_for_retry", "up_for_reschedule", "restarting", "deferred"}
 SHARDS_LISTED = 50  # beyond this, finished shards are left out of the page's table (fleet.json has them all)
 ADVICE_MIN_GAIN = 0.02  # advise a relaunch only when it is predicted at least this much faster
-
-
-class RunNotFound(LookupError):
-    """No run folder of that id under the output root (or the id tries to leave it)."""
 
 
 def resolve_run(output_root: Path, run_id: str) -> Path:

@@ -32,7 +32,15 @@ from typing import TypeVar
 import requests
 from requests.adapters import HTTPAdapter
 
-from dflash_regen.errors import DflashError, NotRetryable, VersionRefused
+from dflash_regen.errors import (
+    AuthError,
+    Cancelled,
+    MetricsMissing,
+    PromptError,
+    ServerError,
+    TransientError,
+    VersionRefused,
+)
 
 log = logging.getLogger(__name__)
 
@@ -200,39 +208,11 @@ class Allocation:
             raise ValueError(f"/server_info lacks allocation field {exc}; is this SGLang >= {OLDEST}?") from exc
 
 
-class TransientError(DflashError):
-    """The request may succeed if sent again (possibly to another server)."""
-
-
-class ServerError(TransientError):
-    """HTTP 5xx: usually transient, but the same answer to one prompt on two servers makes it the prompt's."""
-
-    def __init__(self, status: int, message: str, base_url: str):
-        super().__init__(f"HTTP {status} from {base_url}: {message}")
-        self.status, self.message = status, message
-
-
-class AuthError(NotRetryable):
-    """HTTP 401/403: the server refuses our API key; no prompt and no retry can fix that."""
-
-    @classmethod
-    def of(cls, base_url: str, resp: requests.Response) -> AuthError:
-        return cls(f"{base_url} refused the API key with HTTP {resp.status_code} ({_error_message(resp)}): the key "
-                   "sent is not the server's --api-key. Relaunch the fleet (clear launch_fleet) so servers and "
-                   "clients share one key, or set the secret DFLASH_SGLANG_API_KEY to the key the servers were "
-                   "started with")
-
-
-class Cancelled(DflashError):
-    """The caller's stop event was set mid-stream; the connection is closed, so SGLang aborts the request."""
-
-
-class PromptError(DflashError):
-    """The server rejected this prompt (HTTP 4xx); sending it again will not help."""
-
-    def __init__(self, status: int, message: str):
-        super().__init__(f"HTTP {status}: {message}")
-        self.status = status
+def _auth_error(base_url: str, resp: requests.Response) -> AuthError:
+    return AuthError(f"{base_url} refused the API key with HTTP {resp.status_code} ({_error_message(resp)}): the key "
+                     "sent is not the server's --api-key. Relaunch the fleet (clear launch_fleet) so servers and "
+                     "clients share one key, or set the secret DFLASH_SGLANG_API_KEY to the key the servers were "
+                     "started with")
 
 
 @dataclass
@@ -340,7 +320,7 @@ def stream_chat(session: requests.Session, base_url: str, api_key: str, payload:
         if resp.status_code >= 500:
             raise ServerError(resp.status_code, _error_message(resp), base_url)
         if resp.status_code in (401, 403):
-            raise AuthError.of(base_url, resp)
+            raise _auth_error(base_url, resp)
         if resp.status_code >= 400:
             raise PromptError(resp.status_code, _error_message(resp))
         try:
@@ -395,7 +375,7 @@ def read_json(resp: requests.Response, what: str) -> dict:
     if resp.status_code >= 500 or resp.status_code == 429:
         raise TransientError(f"{what} answered HTTP {resp.status_code}: {_error_message(resp)}")
     if resp.status_code in (401, 403):
-        raise AuthError.of(what, resp)
+        raise _auth_error(what, resp)
     if resp.status_code >= 400:
         raise PromptError(resp.status_code, f"{what}: {_error_message(resp)}")
     try:
@@ -493,7 +473,3 @@ class Api:
     def answers(self, model: str, timeout_s: float) -> bool:
         """The liveness probe: any HTTP answer, even a 5xx, means the scheduler is there."""
         return self.probe(model, timeout_s) is not None
-
-
-class MetricsMissing(DflashError):
-    """The server has no /metrics endpoint (launched without --enable-metrics)."""

@@ -13,9 +13,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 
 from dflash_regen.config import SamplingConfig
-from dflash_regen.errors import GateFailed
+from dflash_regen.errors import GateFailed, PromptError, TransientError
 from dflash_regen.fleet import Server
-from dflash_regen.sglang import Api, PromptError, TransientError, chat_payload, reasoning_tokens, with_retries
+from dflash_regen.sglang import Api, chat_payload, reasoning_tokens, with_retries
 
 log = logging.getLogger(__name__)
 

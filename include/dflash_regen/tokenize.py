@@ -25,17 +25,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dflash_regen.errors import DflashError
+from dflash_regen.errors import TokenizeError
 
 ASSISTANT_HEADER = "<|im_start|>assistant\n<think>\n"
 THINK_END = "</think>"
 # What the template puts between the reasoning and the answer.
 ANSWER_START = THINK_END + "\n\n"
 _SPAN = re.compile(re.escape(ASSISTANT_HEADER) + r"([\s\S]*?(?:<\|im_end\|>\n|$))")
-
-
-class TokenizeError(DflashError, ValueError):
-    """A tokenizer could not be loaded, or a conversation cannot be rendered by the chat template."""
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import json
 
+from dflash_regen.errors import SchemaError
+
 JSON_TYPES = ("array", "boolean", "integer", "null", "number", "object", "string")
 # Type names of other languages, lower-cased, and the JSON schema type each one means.
 TYPE_ALIASES = {
@@ -38,14 +40,6 @@ REPAIRS = {
 }
 _SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
 _SUBSCHEMA_MAPS = ("$defs", "definitions")
-
-
-class SchemaError(ValueError):
-    """A tool schema that cannot be repaired: where inside it, what value, and what to write instead."""
-
-    def __init__(self, path: str, value, fix: str):
-        shown = json.dumps(value, ensure_ascii=False) if not isinstance(value, str) else repr(value)
-        super().__init__(f"{path} is {shown[:120]}: {fix}")
 
 
 def normalize_tool(tool, where: str, repairs: list[str]) -> dict:

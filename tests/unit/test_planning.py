@@ -3,7 +3,8 @@ import json
 import pyarrow.parquet as pq
 import pytest
 
-from dflash_regen.planning import PlanFailed, PlanSettings, plan_shards, shard_label
+from dflash_regen.errors import PlanFailed
+from dflash_regen.planning import PlanSettings, plan_shards, shard_label
 
 SETTINGS = PlanSettings(shard_size=3, max_tokens=1000, context_length=4096, max_bad_share=0.5)
 

@@ -5,7 +5,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from dflash_regen.prompt_sources import PromptSourceError, iter_raw
+from dflash_regen.errors import PromptSourceError
+from dflash_regen.prompt_sources import iter_raw
 from dflash_regen.prompts import Rejection, canonical_id, parse_row
 
 USER = {"role": "user", "content": "hi"}

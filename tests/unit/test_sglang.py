@@ -5,7 +5,8 @@ from conftest import free_port_block
 
 from dflash_regen import sglang
 from dflash_regen.config import COOKBOOK_ENV, COOKBOOK_FLAGS, merge_flags
-from dflash_regen.sglang import Dialect, VersionRefused, parse_metrics, parse_startup_log
+from dflash_regen.errors import VersionRefused
+from dflash_regen.sglang import Dialect, parse_metrics, parse_startup_log
 
 COOKBOOK = merge_flags(COOKBOOK_FLAGS, [])
 
