@@ -22,9 +22,9 @@ from __future__ import annotations
 import datetime as dt
 import os
 
-from airflow.sdk import Asset, Param, dag, setup, task, teardown
+from airflow.sdk import Asset, Param, TaskGroup, dag, setup, task, teardown
 
-from dflash_regen import dag_tasks
+from dflash_regen import dag_tasks, nodes
 from dflash_regen.config import DEFAULTS as D
 from dflash_regen.prompts import PROMPT_FORMATS
 
@@ -41,6 +41,8 @@ TEARDOWN_PRIORITY = 100
 # A run works on one GPU node's RAM disk and loopback servers, so all its tasks go to that node's Celery
 # queue (one queue per node, see docker-compose.yaml); unset = Airflow's default queue, as in the demo.
 NODE_QUEUE = {"queue": os.environ["DFLASH_WORKER_QUEUE"]} if os.environ.get("DFLASH_WORKER_QUEUE") else {}
+# Several GPU nodes (env DFLASH_NODES, see dflash_regen/nodes.py): a task group per node on the node's queue.
+NODES = nodes.parse_nodes(os.environ.get(nodes.NODES_ENV))
 
 def _range(minimum: float | None = None, maximum: float | None = None, **exclusive: float) -> dict:
     """A number's bounds inside `allOf`, where only Airflow's trigger validation reads them. The form's number
@@ -240,6 +242,11 @@ PARAMS = {
                               description='Only with the emulator: its speed, e.g. {"decode_tokens_per_s": 3000} '
                                           "(per request), or a GPU preset; {} = the default profile."),
 }
+if NODES:
+    PARAMS["node_failure"] = Param(
+        "fail", type="string", enum=["fail", "continue"], section=FLEET, title="A node fails its gates",
+        description="fail: the run fails. continue: that node is left out (reports/nodes/<node>/left_out.json) and "
+                    "its shards go to the nodes that passed.")
 
 
 @dag(
@@ -260,18 +267,18 @@ def dflash_regen():
 
     @setup
     @task
-    def launch_fleet(staged: dict, params=None, run_id=None) -> dict:
-        return dag_tasks.launch_fleet(params, run_id, staged["model_path"])
+    def launch_fleet(staged: dict, params=None, run_id=None, node=None) -> dict:
+        return dag_tasks.launch_fleet(params, run_id, staged["model_path"], node=node)
 
     @setup
     @task(retries=0)
-    def health_check(fleet: dict, params=None, run_id=None) -> dict:
-        return dag_tasks.health_check(params, run_id)
+    def health_check(fleet: dict, params=None, run_id=None, node=None) -> dict:
+        return dag_tasks.health_check(params, run_id, node=node)
 
     @setup
     @task(retries=0)
-    def smoke_test(fleet: dict, health: dict, params=None, run_id=None) -> dict:
-        return dag_tasks.smoke_test(params, run_id)
+    def smoke_test(fleet: dict, health: dict, params=None, run_id=None, node=None) -> dict:
+        return dag_tasks.smoke_test(params, run_id, node=node)
 
     @task
     def plan_shards(params=None, run_id=None) -> list[dict]:
@@ -279,21 +286,21 @@ def dflash_regen():
 
     @setup
     @task
-    def calibrate(checked: dict, shards: list[dict], params=None, run_id=None) -> dict:
-        return dag_tasks.calibrate(params, run_id)
+    def calibrate(checked: dict, shards: list[dict], params=None, run_id=None, node=None) -> dict:
+        return dag_tasks.calibrate(params, run_id, node=node)
 
     @task(retries=GENERATE_RETRIES, retry_delay=dt.timedelta(seconds=5), retry_exponential_backoff=2.0,
           max_retry_delay=dt.timedelta(minutes=2), max_active_tis_per_dagrun=PARALLEL_SHARDS,
           map_index_template="{{ shard.label }}")
-    def generate(shard: dict, params=None, run_id=None) -> dict:
-        return dag_tasks.generate(params, run_id, shard)
+    def generate(shard: dict, params=None, run_id=None, node=None) -> dict:
+        return dag_tasks.generate(params, run_id, shard, node=node)
 
     @task(map_index_template="{{ 'shard %04d' | format(generated.shard) }}")
-    def tokenize(generated: dict, params=None, run_id=None) -> dict:
-        return dag_tasks.tokenize_shard(params, run_id, generated)
+    def tokenize(generated: dict, params=None, run_id=None, node=None) -> dict:
+        return dag_tasks.tokenize_shard(params, run_id, generated, node=node)
 
     @task(retries=0)
-    def validate(tokenized: list[dict], params=None, run_id=None) -> dict:
+    def validate(tokenized: list[dict] | None, params=None, run_id=None) -> dict:
         return dag_tasks.validate(params, run_id)
 
     @task(outlets=[DATASET])
@@ -305,8 +312,8 @@ def dflash_regen():
     # First in line for a free executor slot: idle GPUs stay held until it runs (tokenize tasks queue up then).
     @teardown
     @task(priority_weight=TEARDOWN_PRIORITY, weight_rule="absolute")
-    def stop_fleet(fleet: dict, params=None, run_id=None) -> list[str]:
-        return dag_tasks.stop_fleet(params, run_id)
+    def stop_fleet(fleet: dict, params=None, run_id=None, node=None) -> list[str]:
+        return dag_tasks.stop_fleet(params, run_id, node=node)
 
     # The run's verdict. Airflow counts skipped leaves as success, so a run marked failed by hand (its pending
     # tasks skipped) would turn green once its teardown ran; a teardown still runs then, and with
@@ -316,13 +323,61 @@ def dflash_regen():
     def check_published(published: dict | None = None, params=None, run_id=None) -> dict:
         return dag_tasks.check_published(params, run_id)
 
-    fleet = launch_fleet(stage_weights())
-    checked = smoke_test(fleet, health_check(fleet))
-    shards = plan_shards()  # runs while the servers load: it needs no GPU
-    calibrated = calibrate(checked, shards)  # measures one server on the run's own prompts, predicts the run
-    generated = generate.expand(shard=shards)
-    calibrated >> generated >> stop_fleet(fleet)  # the servers are not needed past generation
-    publish(validate(tokenize.expand(generated=generated))) >> check_published()
+    if not NODES:
+        fleet = launch_fleet(stage_weights())
+        checked = smoke_test(fleet, health_check(fleet))
+        shards = plan_shards()  # runs while the servers load: it needs no GPU
+        calibrated = calibrate(checked, shards)  # measures one server on the run's own prompts, predicts the run
+        generated = generate.expand(shard=shards)
+        calibrated >> generated >> stop_fleet(fleet)  # the servers are not needed past generation
+        publish(validate(tokenize.expand(generated=generated))) >> check_published()
+        return
+
+    # Several nodes: per node, its fleet setups, shards and teardown on its own queue (queue cannot be mapped).
+    @task
+    def check_inputs(params=None, run_id=None) -> dict:
+        return dag_tasks.check_inputs(params, run_id)
+
+    @task
+    def stage_node(checked: dict, params=None, run_id=None, node=None) -> dict:
+        return dag_tasks.stage_node(params, run_id, checked, node=node)
+
+    @task(trigger_rule="none_failed")  # a node left out (skipped) does not stop the others
+    def assign_shards(shards: list[dict], params=None, run_id=None) -> dict:
+        return dag_tasks.assign_shards(params, run_id, shards, [n.name for n in NODES])
+
+    @task
+    def node_ready(calibrated: dict, params=None, run_id=None, node=None) -> dict:
+        return dag_tasks.node_ready(params, run_id, calibrated, node)
+
+    @task
+    def node_shards(assigned: dict, name: str) -> list[dict]:
+        return assigned[name]
+
+    checked_inputs, shards = check_inputs(), plan_shards()
+    assigned = assign_shards(shards)
+    tokenized = []
+    for node in NODES:
+        on_node = {"queue": node.queue} if node.queue else {}
+        spec = node.to_dict()
+        with TaskGroup(node.name, tooltip=f"GPU node {node.name} (queue {node.queue or 'default'})"):
+            staged = stage_node.override(task_id="stage_weights", **on_node)(checked_inputs, node=spec)
+            fleet = launch_fleet.override(**on_node)(staged, node=spec)
+            health = health_check.override(**on_node)(fleet, node=spec)
+            checked = smoke_test.override(**on_node)(fleet, health, node=spec)
+            calibrated = calibrate.override(**on_node)(checked, shards, node=spec)
+            stop = stop_fleet.override(**on_node)(fleet, node=spec)
+            # Each setup gets this node's teardown, so clearing a shard of another node leaves them alone
+            # (Airflow re-runs an upstream setup that has no teardown, whichever node it belongs to).
+            [health, checked, calibrated] >> stop
+            node_ready.override(**on_node)(calibrated, node=spec) >> assigned  # skipped when the node is left out
+            mine = node_shards(assigned, node.name)
+            generated = generate.override(**on_node).partial(node=spec).expand(shard=mine)
+            calibrated >> generated >> stop
+            tokenized.append(tokenize.override(**on_node).partial(node=spec).expand(generated=generated))
+    validated = validate.override(trigger_rule="none_failed_min_one_success")(None)
+    tokenized >> validated
+    publish(validated) >> check_published()
 
 
 dflash_regen()

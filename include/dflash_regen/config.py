@@ -319,6 +319,7 @@ class RunConfig:
     mask_reasoning: bool
     dataset_name: str
     params: dict = field(repr=False, compare=False, default_factory=dict)
+    node: str = ""  # a node of several (dflash_regen.nodes); "" = the one-node deployment
 
     @property
     def run_dir(self) -> Path:
@@ -326,18 +327,23 @@ class RunConfig:
 
     @property
     def fleet_dir(self) -> Path:
-        return self.run_dir / "fleet"
+        return self.run_dir / "fleet" / self.node if self.node else self.run_dir / "fleet"
 
     @property
     def reports_dir(self) -> Path:
         return self.run_dir / "reports"
 
     @property
+    def node_reports_dir(self) -> Path:
+        """The fleet's reports (staging, health, smoke, capacity): per node when there are several."""
+        return self.reports_dir / "nodes" / self.node if self.node else self.reports_dir
+
+    @property
     def publish_dir(self) -> Path:
         return self.output_root / "published" / self.dataset_name / self.run_id
 
     @classmethod
-    def from_params(cls, params: dict, run_id: str) -> RunConfig:
+    def from_params(cls, params: dict, run_id: str, node: str = "") -> RunConfig:
         output_root = Path(_str(params, "output_root")).expanduser()
         if not output_root.is_absolute():
             raise _fail("output_root", str(output_root), "must be an absolute path")
@@ -458,4 +464,5 @@ class RunConfig:
         return cls(run_id=safe_run_id(run_id), output_root=output_root, model_source=model_source,
                    staging_dir=staging_dir, fleet=fleet, sampling=sampling, prompt_source=prompt_source,
                    plan=plan, generation=generation, quality=quality, capacity=capacity,
-                   mask_reasoning=_bool(params, "mask_reasoning"), dataset_name=dataset_name, params=dict(params))
+                   mask_reasoning=_bool(params, "mask_reasoning"), dataset_name=dataset_name, params=dict(params),
+                   node=node)

@@ -11,12 +11,13 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import time
 from dataclasses import replace
 from pathlib import Path
 
 import pyarrow.parquet as pq
 from airflow.sdk.configuration import conf
-from airflow.sdk.exceptions import AirflowFailException
+from airflow.sdk.exceptions import AirflowFailException, AirflowSkipException
 
 from dflash_regen import (
     atomic,
@@ -24,6 +25,7 @@ from dflash_regen import (
     fleet,
     generation,
     inputs,
+    nodes,
     planning,
     probes,
     publish,
@@ -56,8 +58,40 @@ def fail_fast(fn):
     return wrapper
 
 
+def _cfg(params: dict, run_id: str, node: dict | None = None) -> RunConfig:
+    """The run's config, as one node of several sees it (its GPUs, ports, staging dir, fleet dir) when given."""
+    if not node:
+        return RunConfig.from_params(params, run_id)
+    spec = nodes.Node(**node)
+    return RunConfig.from_params(spec.apply(params), run_id, node=spec.name)
+
+
+def leave_out_node(fn):
+    """With several nodes and Param node_failure = continue, a node's setup that fails for good leaves the node
+    out (skipped, its reason in reports/nodes/<node>/left_out.json) and the run goes on with the others."""
+    @functools.wraps(fn)
+    def wrapper(params: dict, run_id: str, *args, node: dict | None = None, **kwargs):
+        try:
+            return fn(params, run_id, *args, node=node, **kwargs)
+        except AirflowFailException as exc:
+            if not node or params.get("node_failure") != "continue":
+                raise
+            cfg = _cfg(params, run_id, node)
+            atomic.write_json(cfg.node_reports_dir / LEFT_OUT, {"node": cfg.node, "task": fn.__name__,
+                                                                "error": str(exc), "at": time.time()})
+            raise AirflowSkipException(f"node {cfg.node} is left out of this run (Param node_failure = continue), "
+                                       f"its {fn.__name__} failed: {exc}") from exc
+
+    return wrapper
+
+
+READY, LEFT_OUT = "ready.json", "left_out.json"
+
+
 def write_report(cfg: RunConfig, name: str, report: dict) -> Path:
-    path = cfg.reports_dir / f"{name}.json"
+    # The fleet's own reports are per node when there are several; plan, quality and the rest per run.
+    folder = cfg.node_reports_dir if name in {"staging", "health", "smoke", "capacity"} else cfg.reports_dir
+    path = folder / f"{name}.json"
     atomic.write_json(path, report)
     return path
 
@@ -73,6 +107,27 @@ def _servers(cfg: RunConfig) -> tuple[list[fleet.Server], str]:
 @fail_fast
 def stage_weights(params: dict, run_id: str) -> dict:
     cfg = RunConfig.from_params(params, run_id)  # validates every Param before any GPU work
+    return _stage(cfg, _check_inputs(cfg, run_id))
+
+
+@fail_fast
+def check_inputs(params: dict, run_id: str) -> dict:
+    """Several nodes: the run's inputs and lock once, before each node stages the weights to its own RAM disk."""
+    cfg = RunConfig.from_params(params, run_id)
+    return {"model_source": str(_check_inputs(cfg, run_id))}
+
+
+@leave_out_node
+@fail_fast
+def stage_node(params: dict, run_id: str, checked: dict, node: dict | None = None) -> dict:
+    cfg = _cfg(params, run_id, node)
+    for name in (READY, LEFT_OUT):  # a run (or the same run id again) decides afresh whether the node takes part
+        (cfg.node_reports_dir / name).unlink(missing_ok=True)
+    return _stage(cfg, Path(checked["model_source"]))
+
+
+def _check_inputs(cfg: RunConfig, run_id: str) -> Path:
+    """Output root, run lock and prompt source checked; returns the model dir to stage."""
     inputs.check_output_root(cfg.output_root)
     runlock.acquire(cfg.output_root, run_id, cfg.run_id, _run_is_active)
     if cfg.prompt_source != DEMO_PROMPTS:
@@ -82,6 +137,10 @@ def stage_weights(params: dict, run_id: str) -> dict:
     if cfg.model_source == DEMO_MODEL:
         source = write_demo_model(cfg.output_root / "demo-model", with_tokenizer=True)
         log.info("demo: generated a stand-in model dir at %s", source)
+    return source
+
+
+def _stage(cfg: RunConfig, source: Path) -> dict:
     report = staging.stage(source, cfg.staging_dir)
     write_report(cfg, "staging", report.to_dict())
     return {"model_path": str(cfg.staging_dir), "copied_bytes": report.copied_bytes}
@@ -99,18 +158,20 @@ def _run_is_active(run_id: str) -> bool:
         return False
 
 
+@leave_out_node
 @fail_fast
-def launch_fleet(params: dict, run_id: str, model_path: str) -> dict:
-    cfg = RunConfig.from_params(params, run_id)
+def launch_fleet(params: dict, run_id: str, model_path: str, node: dict | None = None) -> dict:
+    cfg = _cfg(params, run_id, node)
     runlock.reap_orphans(cfg.output_root, cfg.run_id)  # servers of runs that died before their teardown
     servers = fleet.launch_fleet(cfg.fleet, Path(model_path), cfg.fleet_dir)
     return {"fleet_dir": str(cfg.fleet_dir), "servers": [{"index": s.index, "url": s.url, "gpu": s.gpu,
                                                             "pid": s.pid, "log": s.log_path} for s in servers]}
 
 
+@leave_out_node
 @fail_fast
-def health_check(params: dict, run_id: str) -> dict:
-    cfg = RunConfig.from_params(params, run_id)
+def health_check(params: dict, run_id: str, node: dict | None = None) -> dict:
+    cfg = _cfg(params, run_id, node)
     servers, key = _servers(cfg)
     try:
         report = probes.health_gate(servers, key, cfg.fleet)
@@ -121,9 +182,10 @@ def health_check(params: dict, run_id: str) -> dict:
     return {"servers": len(servers), "total_running_slots": report["total_running_slots"]}
 
 
+@leave_out_node
 @fail_fast
-def smoke_test(params: dict, run_id: str) -> dict:
-    cfg = RunConfig.from_params(params, run_id)
+def smoke_test(params: dict, run_id: str, node: dict | None = None) -> dict:
+    cfg = _cfg(params, run_id, node)
     servers, key = _servers(cfg)
     try:
         report = smoke.smoke_gate(servers, key, cfg.sampling, cfg.fleet.served_model_name)
@@ -134,15 +196,16 @@ def smoke_test(params: dict, run_id: str) -> dict:
     return {"servers": len(servers), "passed": True}
 
 
+@leave_out_node
 @fail_fast
-def calibrate(params: dict, run_id: str) -> dict:
+def calibrate(params: dict, run_id: str, node: dict | None = None) -> dict:
     """Measure one server on the run's prompts, advise, predict; `reports/capacity.json`."""
-    cfg = RunConfig.from_params(params, run_id)
+    cfg = _cfg(params, run_id, node)
     if not cfg.capacity.calibration_prompts:
         log.info("calibration skipped (Param calibration_prompts = 0)")
         return {"calibrated": False}
     servers, key = _servers(cfg)
-    health = json.loads((cfg.reports_dir / "health.json").read_text())
+    health = json.loads((cfg.node_reports_dir / "health.json").read_text())
     plan = json.loads((cfg.run_dir / "shards" / "plan.json").read_text())
     healthy = generation.healthy_servers(cfg.fleet_dir, servers)
     shape = capacity.RunShape(prompts=plan["accepted"], servers=len(healthy), shard_size=cfg.plan.shard_size,
@@ -168,9 +231,59 @@ def calibrate(params: dict, run_id: str) -> dict:
             "advised_flags": report["advice"]["server_flags"]}
 
 
-def stop_fleet(params: dict, run_id: str) -> list[str]:
-    cfg = RunConfig.from_params(params, run_id)
+def node_ready(params: dict, run_id: str, calibrated: dict, node: dict) -> dict:
+    """Several nodes: this node passed every gate; its rate (prompts/s of its healthy servers, measured by
+    calibrate) decides its share of the shards. Not a setup: a cleared shard does not re-decide the split."""
+    cfg = _cfg(params, run_id, node)
+    healthy = generation.healthy_servers(cfg.fleet_dir, fleet.load_servers(cfg.fleet_dir))
+    report = capacity.read_report(cfg.node_reports_dir) if calibrated.get("calibrated") else None
+    rps = report["scenarios"][0]["requests_per_s_per_server"] * len(healthy) if report else None
+    ready = {"node": cfg.node, "servers": len(healthy), "prompts_per_s": rps}
+    atomic.write_json(cfg.node_reports_dir / READY, ready)
+    return ready
+
+
+def stop_fleet(params: dict, run_id: str, node: dict | None = None) -> list[str]:
+    cfg = _cfg(params, run_id, node)
     return fleet.stop_fleet(cfg.fleet_dir)
+
+
+@fail_fast
+def assign_shards(params: dict, run_id: str, shards: list[dict], node_names: list[str]) -> dict[str, list[dict]]:
+    """Several nodes: shards to the nodes that passed their gates, in proportion to each one's calibrated rate
+    (prompts/s of its fleet; by healthy server count when a node was not calibrated). `reports/assignment.json`."""
+    cfg = RunConfig.from_params(params, run_id)
+    ready, left_out = {}, {}
+    for name in node_names:
+        folder = cfg.reports_dir / "nodes" / name
+        if (folder / READY).is_file():
+            ready[name] = json.loads((folder / READY).read_text())
+        else:
+            record = json.loads((folder / LEFT_OUT).read_text()) if (folder / LEFT_OUT).is_file() else {}
+            left_out[name] = record.get("error", "its setup tasks did not finish")
+    if left_out and params.get("node_failure") != "continue":
+        raise GateFailed(f"nodes {', '.join(left_out)} failed their setup ({'; '.join(left_out.values())}); set Param "
+                         "node_failure to 'continue' to run on the other nodes")
+    if not ready:
+        raise GateFailed(f"no node passed its gates: {left_out}; fix them (see each node's setup task logs)")
+    calibrated = all(r["prompts_per_s"] for r in ready.values())
+    rates = {n: (r["prompts_per_s"] if calibrated else float(r["servers"])) for n, r in ready.items()}
+    assigned = nodes.assign(shards, rates)
+    report = {"basis": "calibrated prompts/s" if calibrated else "healthy servers (not every node was calibrated)",
+              "left_out": left_out, "assigned_at": time.time(), "nodes": {}}
+    total_rate = sum(rates.values())
+    for name, mine in assigned.items():
+        prompts = sum(s["prompts"] for s in mine)
+        report["nodes"][name] = {
+            "shards": [s["shard"] for s in mine], "prompts": prompts, "rate": round(rates[name], 4),
+            "rate_share": round(rates[name] / total_rate, 4), "servers": ready[name]["servers"],
+            "predicted_s": round(prompts / rates[name], 1) if calibrated else None}
+        log.info("node %s: %d shards, %d prompts (rate %.3g, %.0f%% of the run's)", name, len(mine), prompts,
+                 rates[name], 100 * rates[name] / total_rate)
+    for name, why in left_out.items():
+        log.warning("node %s is left out: %s", name, why)
+    write_report(cfg, "assignment", report)
+    return {name: assigned.get(name, []) for name in node_names}
 
 
 @fail_fast
@@ -190,13 +303,13 @@ def plan_shards(params: dict, run_id: str) -> list[dict]:
 
 
 @fail_fast
-def generate(params: dict, run_id: str, shard: dict) -> dict:
-    cfg = RunConfig.from_params(params, run_id)
+def generate(params: dict, run_id: str, shard: dict, node: dict | None = None) -> dict:
+    cfg = _cfg(params, run_id, node)
     servers = fleet.load_servers(cfg.fleet_dir)
     key = fleet.read_api_key(cfg.fleet_dir)
     paths = generation.ShardPaths.of(cfg.run_dir, shard["shard"], Path(shard["path"]))
     settings, expected_rps = cfg.generation, None
-    planned = capacity.read_report(cfg.reports_dir)
+    planned = capacity.read_report(cfg.node_reports_dir)
     if planned:
         expected_rps = planned["scenarios"][0]["requests_per_s_per_server"]
         if cfg.capacity.apply_advised_concurrency:
@@ -213,8 +326,8 @@ def generate(params: dict, run_id: str, shard: dict) -> dict:
 
 
 @fail_fast
-def tokenize_shard(params: dict, run_id: str, generated: dict) -> dict:
-    cfg = RunConfig.from_params(params, run_id)
+def tokenize_shard(params: dict, run_id: str, generated: dict, node: dict | None = None) -> dict:
+    cfg = _cfg(params, run_id, node)  # the tokenizer is in the node's staged model dir
     shard = generated["shard"]
     tok = tokenize.load_tokenizer(cfg.staging_dir)
     return tokenized.tokenize_shard(cfg.run_dir / "shards" / f"shard-{shard:05d}.parquet", Path(generated["path"]),
@@ -257,6 +370,7 @@ def publish_dataset(params: dict, run_id: str) -> dict:
         raise GateFailed("the quality report says the gate failed; refusing to publish")
     publish.clean_stale_tmp(cfg.publish_dir.parent)
     config = {k: v for k, v in cfg.params.items() if k not in {"emulator_faults"}}
-    manifest = publish.publish_run(cfg.run_dir, cfg.publish_dir, plan, report, config, cfg.staging_dir)
+    manifest = publish.publish_run(cfg.run_dir, cfg.publish_dir, plan, report, config, cfg.staging_dir,
+                                   nodes=nodes.split_report(cfg.run_dir))  # several nodes: what each did
     return {"path": str(cfg.publish_dir), "samples": manifest["counts"]["published"],
             "quarantined": manifest["counts"]["quarantined"], "tokens": manifest["tokens"]["total"]}

@@ -141,7 +141,8 @@ def _reasons(paths: list[Path]) -> dict[str, int]:
     return counts
 
 
-def publish_run(run_dir: Path, dest: Path, plan: dict, quality: dict, config: dict, model_dir: Path) -> dict:
+def publish_run(run_dir: Path, dest: Path, plan: dict, quality: dict, config: dict, model_dir: Path,
+                nodes: dict | None = None) -> dict:
     """Filter the run's tokenized shards and conversations to the kept samples, then publish atomically."""
     import pyarrow.compute as pc
 
@@ -206,5 +207,7 @@ def publish_run(run_dir: Path, dest: Path, plan: dict, quality: dict, config: di
                     "formula": f"{total_tokens:,} tokens x hidden {hidden} x {TARGET_LAYERS} layers x "
                                f"{BYTES_PER_VALUE} bytes"},
     }
+    if nodes:  # a run on several nodes: shards, prompts, predicted and measured time per node
+        manifest["nodes"] = nodes
     publish(dest, conversations, tokenized, manifest, dataset_card(dest.parent.name, dest.name, manifest))
     return manifest

@@ -78,10 +78,14 @@ def reap_orphans(output_root: Path, run_dir: str) -> list[str]:
     if not holder or holder["run_dir"] != run_dir:
         return []
     stopped = []
-    for fleet_dir in sorted((output_root / "runs").glob("*/fleet")):
-        if fleet_dir.parent.name != run_dir:
+    runs = output_root / "runs"
+    # runs/<run>/fleet, and runs/<run>/fleet/<node> for a run on several nodes (this node's servers are found
+    # alive; another node's pids are not this host's processes and are left alone by their start time)
+    fleet_dirs = [*runs.glob("*/fleet"), *(p for p in runs.glob("*/fleet/*") if p.is_dir())]
+    for fleet_dir in sorted(fleet_dirs):
+        run = fleet_dir.relative_to(runs).parts[0]
+        if run != run_dir:
             for line in fleet.stop_fleet(fleet_dir):
-                log.warning("stopped %s, left running by run %r, which is no longer running", line,
-                            fleet_dir.parent.name)
+                log.warning("stopped %s, left running by run %r, which is no longer running", line, run)
                 stopped.append(line)
     return stopped

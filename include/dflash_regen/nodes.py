@@ -1,0 +1,140 @@
+"""GPU nodes of a deployment, and how a run's shards are split among them.
+
+A deployment names its nodes in the environment variable `DFLASH_NODES` (read when the DAG is parsed, so every
+Airflow component needs the same value), a JSON list with one object per node:
+
+    [{"name": "rtx", "queue": "gpu-node-1", "gpus": "0,1,2,3", "staging_dir": "/dev/shm/Qwen3.6-27B",
+      "base_port": 30000, "server_command": "/opt/sglang-venv/bin/python -m sglang.launch_server"},
+     {"name": "b200", "queue": "gpu-node-2", "gpus": "0,1,2,3,4,5,6"}]
+
+Only `name` is required; a field left out keeps the run's Param (`gpus` sets `gpu_ids` and `num_servers`).
+`emulator_profile` (the emulator's speed) lets the tests give each emulated node its own decode rate.
+Unset, the deployment is one node on `DFLASH_WORKER_QUEUE` (or Airflow's default queue) and the DAG is the
+one-node DAG. Airflow cannot map `queue` (apache/airflow#22867), so the DAG builds one task group per node.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from dflash_regen.errors import ConfigError
+
+NODES_ENV = "DFLASH_NODES"
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,49}")
+_FIELDS = {"name", "queue", "gpus", "staging_dir", "base_port", "server_command", "emulator_profile"}
+# What a node sets instead of the run's Param.
+_PARAM_OF = {"staging_dir": "staging_dir", "base_port": "base_port", "server_command": "server_command",
+             "emulator_profile": "emulator_profile"}
+
+
+@dataclass(frozen=True)
+class Node:
+    name: str
+    queue: str = ""  # Celery queue of the node's worker; "" = Airflow's default queue
+    gpus: str = ""  # CUDA_VISIBLE_DEVICES per server, "0,1,2"; "" = the run's Params
+    staging_dir: str = ""
+    base_port: int | None = None
+    server_command: str = ""
+    emulator_profile: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def apply(self, params: dict) -> dict:
+        """The run's Params as this node sees them."""
+        out = dict(params)
+        for key, param in _PARAM_OF.items():
+            value = getattr(self, key)
+            if value not in ("", None, {}):
+                out[param] = value
+        if self.gpus:
+            out["gpu_ids"] = self.gpus
+            out["num_servers"] = len(self.gpus.split(","))
+        return out
+
+
+def _fail(text: str, why: str) -> ConfigError:
+    return ConfigError(f"environment variable {NODES_ENV} is invalid: {why}. It must be a JSON list of nodes, e.g. "
+                       '[{"name": "rtx", "queue": "gpu-node-1", "gpus": "0,1,2,3"}, {"name": "b200", "queue": '
+                       f'"gpu-node-2"}}] (see dflash_regen/nodes.py); got {text[:200]!r}')
+
+
+def parse_nodes(text: str | None) -> list[Node]:
+    """The nodes `DFLASH_NODES` names; [] when unset (one node, the one-node DAG)."""
+    if not (text or "").strip():
+        return []
+    try:
+        items = json.loads(text)
+    except ValueError as exc:
+        raise _fail(text, f"not JSON ({exc})") from exc
+    if not isinstance(items, list) or not items:
+        raise _fail(text, "not a non-empty list")
+    nodes, names = [], set()
+    for item in items:
+        if not isinstance(item, dict) or not isinstance(item.get("name"), str):
+            raise _fail(text, f"{item!r} is not an object with a 'name'")
+        if unknown := set(item) - _FIELDS:
+            raise _fail(text, f"node {item['name']!r} has unknown fields {sorted(unknown)} (known: {sorted(_FIELDS)})")
+        if not _NAME.fullmatch(item["name"]) or item["name"] in names:
+            raise _fail(text, f"node name {item['name']!r} is not unique letters, digits, '_' or '-' (it names a "
+                              "task group)")
+        gpus = str(item.get("gpus", "")).replace(" ", "")
+        if gpus and not re.fullmatch(r"\d+(,\d+)*", gpus):
+            raise _fail(text, f"node {item['name']!r} gpus {gpus!r} is not comma-separated GPU numbers")
+        port = item.get("base_port")
+        if port is not None and (not isinstance(port, int) or isinstance(port, bool) or not 1024 <= port <= 65000):
+            raise _fail(text, f"node {item['name']!r} base_port {port!r} is not a port number (1024-65000)")
+        if not isinstance(item.get("emulator_profile", {}), dict):
+            raise _fail(text, f"node {item['name']!r} emulator_profile is not an object")
+        names.add(item["name"])
+        nodes.append(Node(name=item["name"], queue=str(item.get("queue") or ""), gpus=gpus,
+                          staging_dir=str(item.get("staging_dir") or ""), base_port=port,
+                          server_command=str(item.get("server_command") or ""),
+                          emulator_profile=dict(item.get("emulator_profile") or {})))
+    return nodes
+
+
+def assign(shards: list[dict], rates: dict[str, float]) -> dict[str, list[dict]]:
+    """Each shard to the node predicted to finish it first (prompts already given / prompts per second),
+    largest shards first: every node gets prompts in proportion to its rate, to within one shard."""
+    if not rates or min(rates.values()) <= 0:
+        raise ValueError(f"every node needs a positive rate, got {rates}")
+    given = {name: 0 for name in rates}
+    out: dict[str, list[dict]] = {name: [] for name in rates}
+    for shard in sorted(shards, key=lambda s: (-s["prompts"], s["shard"])):
+        name = min(rates, key=lambda n: ((given[n] + shard["prompts"]) / rates[n], list(rates).index(n)))
+        given[name] += shard["prompts"]
+        out[name].append(shard)
+    for name in out:
+        out[name].sort(key=lambda s: s["shard"])
+    return out
+
+
+def split_report(run_dir: Path) -> dict | None:
+    """Per node: shards and prompts assigned, predicted and measured generation time (first shard attempt
+    started to last shard ended on that node), samples completed; None for a one-node run."""
+    assignment = _json(run_dir / "reports" / "assignment.json")
+    if not assignment:
+        return None
+    out = {"basis": assignment["basis"], "left_out": assignment["left_out"], "nodes": {}}
+    for name, node in assignment["nodes"].items():
+        starts, ends, done = [], [], 0
+        for shard in node["shards"]:
+            status = _json(run_dir / "status" / f"shard-{shard:05d}.json") or {}
+            attempts = status.get("attempts", [])
+            starts += [a["started_at"] for a in attempts]
+            ends += [a.get("ended_at", a["updated_at"]) for a in attempts]
+            done += status.get("done", 0) if status.get("state") == "done" else 0
+        measured = round(max(ends) - min(starts), 1) if starts else None
+        out["nodes"][name] = {**node, "measured_s": measured, "done": done}
+    return out
+
+
+def _json(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
