@@ -4,6 +4,7 @@ set -euo pipefail
 source "$(dirname "$0")/env.sh"
 "$ROOT/scripts/setup.sh"
 "$ROOT/scripts/install-chromium.sh"
+"$ROOT/scripts/install-redis.sh"
 cd "$ROOT"
 ruff check .
 # Two workers on a 2-core CI box: most tests wait on emulated servers and Airflow, not on the CPU; the live

@@ -88,10 +88,11 @@ class LiveAirflow:
             self.start_component(name)
         self.wait_ready(timeout_s)
 
-    def start_component(self, name: str) -> None:
+    def start_component(self, name: str, args: list[str] | None = None) -> None:
+        """`airflow <name>`, or `airflow <args>` kept under `name` (e.g. a Celery worker per queue)."""
         log = open(self.home / f"{name}.log", "ab")  # noqa: SIM115 - owned by the child for its whole life
-        self.procs[name] = subprocess.Popen([AIRFLOW, name], env=self.env, stdout=log, stderr=subprocess.STDOUT,
-                                            start_new_session=True)
+        self.procs[name] = subprocess.Popen([AIRFLOW, *(args or [name])], env=self.env, stdout=log,
+                                            stderr=subprocess.STDOUT, start_new_session=True)
         log.close()
 
     def kill_component(self, name: str) -> None:

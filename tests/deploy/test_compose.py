@@ -140,7 +140,23 @@ def test_gpu_worker_reserves_every_nvidia_gpu(services):
     assert len(devices) == 1
     assert devices[0]["driver"] == "nvidia" and devices[0]["count"] == "all" and devices[0]["capabilities"] == ["gpu"]
     gpu_holders = {name for name, s in services.items() if "devices" in str(s.get("deploy", ""))}
-    assert gpu_holders == {"airflow-gpu-worker"}
+    assert gpu_holders == {"airflow-gpu-worker", "airflow-gpu-worker-2"}
+
+
+def test_a_second_gpu_node_is_a_worker_on_its_own_queue_against_node_ones_services(raw, filled_env):
+    """Started alone on the second machine (profile, --no-deps): Redis, Postgres and the api-server are node 1's."""
+    env = {**filled_env, "DFLASH_CONTROL_HOST": "10.0.0.1", "DFLASH_NODES": '[{"name": "a"}, {"name": "b"}]'}
+    services = interpolate(raw, env)["services"]
+    first, second = services["airflow-gpu-worker"], services["airflow-gpu-worker-2"]
+    assert second["profiles"] == ["second-node"]
+    assert second["command"].split() == ["celery", "worker", "--queues", "gpu-node-2"] != first["command"].split()
+    assert second["deploy"] == first["deploy"] and mounts(second) == mounts(first)
+    env2 = environment(second)
+    assert env2["AIRFLOW__CELERY__BROKER_URL"] == "redis://10.0.0.1:6379/0"
+    assert env2["AIRFLOW__CORE__EXECUTION_API_SERVER_URL"] == "http://10.0.0.1:8080/execution/"
+    assert "@10.0.0.1/airflow" in env2["AIRFLOW__CELERY__RESULT_BACKEND"]
+    for name in AIRFLOW_SERVICES | {"airflow-gpu-worker-2"}:  # every component parses the same node list
+        assert environment(services[name])["DFLASH_NODES"] == env["DFLASH_NODES"], name
 
 
 def size_in_gb(text: str) -> float:
@@ -297,7 +313,9 @@ def test_dockerfile_builds_from_the_locked_airflow_release_and_installs_the_lock
 def test_services_lock_adds_exact_pins_without_repinning_the_project_lock():
     project = lock_pins(ROOT / "requirements.lock")
     services = lock_pins(ROOT / "deploy" / "requirements-services.lock")
-    assert {"apache-airflow-providers-celery", "apache-airflow-providers-postgres", "celery", "redis"} <= set(services)
+    # the Celery executor is in the project lock (the two-node test runs it), Postgres only in the image's
+    assert {"apache-airflow-providers-celery", "celery", "redis"} <= set(project)
+    assert "apache-airflow-providers-postgres" in services
     assert set(project) & set(services) == set()
 
 
