@@ -147,8 +147,9 @@ def run_state(run: Path, airflow_run: dict | None) -> dict:
         if t["state"] != "failed":
             continue
         error = errors.get(t["task_id"], "")
-        if t["task_id"] == "generate":
-            attempts = (statuses.get(t["map_index"]) or {}).get("attempts", [])
+        if t["task_id"] == "generate" or t["task_id"].endswith(".generate"):
+            shard = next((n for n, ti in _generate_tis(run, airflow_run).items() if ti is t), t["map_index"])
+            attempts = (statuses.get(shard) or {}).get("attempts", [])
             error = next((a.get("error", "") for a in reversed(attempts) if a.get("state") == "failed"), "")
         failed.append({"task": _ti_label(t), "task_id": t["task_id"], "map_index": t["map_index"],
                        "try_number": t["try_number"], "error": error})
@@ -311,6 +312,31 @@ def _checkpointed(run: Path) -> dict[int, int]:
     return out
 
 
+def _assignment(run: Path) -> dict:
+    """Several nodes: {node: {"shards": [...], ...}} from reports/assignment.json; {} for a one-node run."""
+    return (_json(run / "reports" / "assignment.json") or {}).get("nodes", {})
+
+
+def _generate_tis(run: Path, airflow_run: dict | None) -> dict[int, dict]:
+    """The generate task instance of each shard: `generate[i]` is shard i; with several nodes,
+    `<node>.generate[i]` is the node's i-th assigned shard."""
+    assignment, out = _assignment(run), {}
+    for t in (airflow_run or {}).get("tasks", []):
+        if t["task_id"] == "generate":
+            out[t["map_index"]] = t
+        elif t["task_id"].endswith(".generate") and t["map_index"] >= 0:
+            mine = assignment.get(t["task_id"].split(".")[0], {}).get("shards", [])
+            if t["map_index"] < len(mine):
+                out[mine[t["map_index"]]] = t
+    return out
+
+
+def _fleet_dirs(run: Path) -> list[Path]:
+    """fleet/, or fleet/<node>/ for each node of a run on several nodes."""
+    nodes = sorted(p for p in (run / "fleet").glob("*") if p.is_dir())
+    return nodes or [run / "fleet"]
+
+
 def _attempt_outcome(attempt: dict, later: bool, ti_state: str | None) -> str:
     """What became of an attempt; one left 'running' ended without a word if anything came after it."""
     if attempt.get("state") != "running":
@@ -325,7 +351,7 @@ def shards(run: Path, airflow_run: dict | None = None, now: float | None = None)
     now = time.time() if now is None else now
     statuses = _statuses(run)
     on_disk = _checkpointed(run)
-    tis = {t["map_index"]: t for t in (airflow_run or {}).get("tasks", []) if t["task_id"] == "generate"}
+    tis = _generate_tis(run, airflow_run)
     rows = []
     planned_by_shard = {s["shard"]: s for s in _planned_shards(run)}
     for n in sorted(set(planned_by_shard) | set(statuses) | set(on_disk)):
@@ -367,14 +393,14 @@ def incidents(run: Path, shard_rows: list[dict]) -> list[dict]:
                 out.append({"at": a["updated_at"], "kind": "shard failed",
                             "text": f"shard {row['shard']} on {a['server']} stopped without a word after "
                                     f"{a['done']:,} done (its task process was killed?)"})
-    fleet = run / "fleet"
-    for marker in sorted(fleet.glob("unhealthy-*")):
+    fleets = _fleet_dirs(run)
+    for marker in sorted(m for fleet in fleets for m in fleet.glob("unhealthy-*")):
         try:
             reason, at = _first_line(marker.read_text()), marker.stat().st_mtime
         except OSError:
             continue
         out.append({"at": at, "kind": "server unhealthy", "text": reason})
-    launches = [r.get("launched_at") for r in (_json(p) for p in fleet.glob("server-*.json")) if r]
+    launches = [r.get("launched_at") for r in (_json(p) for f in fleets for p in f.glob("server-*.json")) if r]
     first_attempt = min((a["started_at"] for row in shard_rows for a in row["history"]), default=None)
     launches = [t for t in launches if t]
     if launches and first_attempt is not None and min(launches) > first_attempt:
@@ -521,21 +547,61 @@ def capacity_advice(capacity: dict | None) -> dict | None:
     return {**common, "relaunch": True}
 
 
+def _servers(health: dict, smoke: dict, node: str = "") -> list[dict]:
+    smoke_by_server = {s["server"]: s for s in smoke.get("servers", [])}
+    servers = []
+    for h in health.get("servers", []):
+        s = smoke_by_server.get(h["server"], {})
+        servers.append({"server": h["server"], "node": node, "healthy": h.get("healthy"),
+                        "allocation": h.get("allocation", {}), "binding": h.get("binding"),
+                        "problems": h.get("problems", []), "smoke_ok": s.get("ok"), "smoke": s.get("results", [])})
+    return servers
+
+
+def nodes_report(run: Path, shard_rows: list[dict]) -> list[dict]:
+    """Several nodes: per node its gates, share of the run (assigned, predicted) and progress (done, measured:
+    first shard started to last shard ended or now); [] for a one-node run."""
+    folder = run / "reports" / "nodes"
+    names = sorted(p.name for p in folder.glob("*") if p.is_dir())
+    assignment = _assignment(run)
+    rows_by_shard = {r["shard"]: r for r in shard_rows}
+    out = []
+    for name in names:
+        health, smoke = _json(folder / name / "health.json") or {}, _json(folder / name / "smoke.json") or {}
+        assigned = assignment.get(name, {})
+        mine = [rows_by_shard[n] for n in assigned.get("shards", []) if n in rows_by_shard]
+        attempts = [a for r in mine for a in r["history"]]
+        start = min((a["started_at"] for a in attempts), default=None)
+        end = max((a.get("ended_at") or a["updated_at"] for a in attempts), default=None)
+        left_out = (_json(folder / name / "left_out.json") or {}).get("error")
+        out.append({"node": name, "health_passed": health.get("passed"), "smoke_passed": smoke.get("passed"),
+                    "left_out": left_out, "servers": len(health.get("servers", [])),
+                    "shards": len(assigned.get("shards", [])), "prompts": assigned.get("prompts"),
+                    "rate_share": assigned.get("rate_share"), "predicted_s": assigned.get("predicted_s"),
+                    "done": sum(r["done"] for r in mine),
+                    "running_shards": sum(r["state"] == "running" for r in mine),
+                    "measured_s": (end - start) if start is not None else None})
+    return out
+
+
 def fleet_report(run: Path, airflow_run: dict | None = None, now: float | None = None) -> dict:
     now = time.time() if now is None else now
     reports = run / "reports"
     health = _json(reports / "health.json") or {}
     smoke = _json(reports / "smoke.json") or {}
     capacity = _json(reports / "capacity.json")
-    smoke_by_server = {s["server"]: s for s in smoke.get("servers", [])}
-    servers = []
-    for h in health.get("servers", []):
-        s = smoke_by_server.get(h["server"], {})
-        servers.append({"server": h["server"], "healthy": h.get("healthy"), "allocation": h.get("allocation", {}),
-                        "binding": h.get("binding"), "problems": h.get("problems", []),
-                        "smoke_ok": s.get("ok"), "smoke": s.get("results", [])})
+    servers = _servers(health, smoke)
     state = run_state(run, airflow_run)
     shard_rows = shards(run, airflow_run, now)
+    nodes = nodes_report(run, shard_rows)
+    for node in nodes:  # several nodes: every node's servers, the gates passed only if every node's did
+        folder = reports / "nodes" / node["node"]
+        servers += _servers(_json(folder / "health.json") or {}, _json(folder / "smoke.json") or {}, node["node"])
+    if nodes:
+        health = {"passed": all(n["health_passed"] for n in nodes) if all(n["health_passed"] is not None
+                                                                          for n in nodes) else None}
+        smoke = {"passed": all(n["smoke_passed"] for n in nodes) if all(n["smoke_passed"] is not None
+                                                                         for n in nodes) else None}
     events = incidents(run, shard_rows)
     by_server: dict[str, list] = {}
     for path in _result_files(run / "completions"):
@@ -549,7 +615,7 @@ def fleet_report(run: Path, airflow_run: dict | None = None, now: float | None =
     return {"run": run.name, "run_state": state,
             "health_passed": health.get("passed"), "health_error": health.get("error"),
             "smoke_passed": smoke.get("passed"), "smoke_error": smoke.get("error"),
-            "smoke_max_tokens": smoke.get("max_tokens"), "servers": servers,
+            "smoke_max_tokens": smoke.get("max_tokens"), "servers": servers, "nodes": nodes,
             "progress": progress(run, shard_rows, state, capacity, now),
             "shards": shard_rows, "shards_listed": listed, "incidents": events,
             "throughput": throughput_series(merged, events),
