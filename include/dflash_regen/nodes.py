@@ -114,22 +114,27 @@ def assign(shards: list[dict], rates: dict[str, float]) -> dict[str, list[dict]]
 
 
 def split_report(run_dir: Path) -> dict | None:
-    """Per node: shards and prompts assigned, predicted and measured generation time (first shard attempt
-    started to last shard ended on that node), samples completed; None for a one-node run."""
+    """Per node: shards and prompts assigned, predicted and measured generation time, samples completed; None
+    for a one-node run."""
     assignment = _json(run_dir / "reports" / "assignment.json")
     if not assignment:
         return None
     out = {"basis": assignment["basis"], "left_out": assignment["left_out"], "nodes": {}}
     for name, node in assignment["nodes"].items():
-        starts, ends, done = [], [], 0
+        starts, ends, busy, done = [], [], 0.0, 0
         for shard in node["shards"]:
             status = _json(run_dir / "status" / f"shard-{shard:05d}.json") or {}
             attempts = status.get("attempts", [])
             starts += [a["started_at"] for a in attempts]
             ends += [a.get("ended_at", a["updated_at"]) for a in attempts]
+            busy += sum(a.get("ended_at", a["updated_at"]) - a["started_at"] for a in attempts)
             done += status.get("done", 0) if status.get("state") == "done" else 0
-        measured = round(max(ends) - min(starts), 1) if starts else None
-        out["nodes"][name] = {**node, "measured_s": measured, "done": done}
+        out["nodes"][name] = {
+            **node, "done": done,
+            # wall time on the node, Airflow's task start-up and queueing included
+            "measured_s": round(max(ends) - min(starts), 1) if starts else None,
+            # what predicted_s estimates: shard time per server (the shards kept every server busy)
+            "generating_s": round(busy / max(node.get("servers") or 1, 1), 1)}
     return out
 
 

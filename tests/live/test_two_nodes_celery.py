@@ -2,9 +2,9 @@
 
 A real broker (Debian's redis-server on loopback), a real Airflow (api-server, scheduler, dag-processor) and two
 Celery workers, one per node queue, on this machine. Each node is an emulated fleet of 2 servers with its own
-decode rate (`DFLASH_NODES`: fast 3x slow). The first run checks the split and the counts; the second kills the
-slow node's worker and its servers mid-shard: its in-flight shards fail, a clear re-runs them on that node (with
-that node's setups only), and nothing is lost or duplicated.
+decode rate (`DFLASH_NODES`: fast 3x slow). One run (two would double the test's few minutes): the split follows
+each node's measured rate; the slow node's worker and servers are killed mid-shard, its in-flight shards fail, a
+clear re-runs them on that node (with that node's setups only), and nothing is lost or duplicated.
 """
 
 from __future__ import annotations
@@ -25,10 +25,11 @@ from live_airflow import LiveAirflow, completion_ids, descendants, published_man
 pytestmark = pytest.mark.celery
 
 # Short answers (mean 300 tokens) at 450 vs 150 tok/s per request, 4 running requests per server: a slow-node
-# shard of 15 prompts takes ~8 s, long enough to be killed in the middle.
+# shard of 30 prompts takes ~15 s, long enough to be killed in the middle. 4 shards of the 120 demo prompts: few
+# tasks, as each costs seconds of Airflow and Celery time on a loaded 2-core machine.
 PROFILE = {"mean_output_tokens": 300, "min_reasoning_tokens": 50, "startup_s": 0.1}
 RATES = {"fast": 450, "slow": 150}
-CONF = {"shard_size": 15, "calibration_prompts": 8, "server_flags": "--max-running-requests 4",
+CONF = {"shard_size": 30, "calibration_prompts": 8, "server_flags": "--max-running-requests 4",
         "min_running_requests": 4, "checkpoint_every": 2, "ready_timeout_s": 60, "node_failure": "fail"}
 
 
@@ -52,7 +53,7 @@ def start_redis(folder: Path) -> tuple[subprocess.Popen, int]:
 
 
 def worker(af: LiveAirflow, node: str, queues: str) -> None:
-    af.start_component(f"worker-{node}", ["celery", "worker", "--queues", queues, "--concurrency", "3",
+    af.start_component(f"worker-{node}", ["celery", "worker", "--queues", queues, "--concurrency", "4",
                                           "--celery-hostname", f"{node}@%h", "--skip-serve-logs"])
 
 
@@ -111,31 +112,6 @@ def check_published_run(af: LiveAirflow, run_id: str, dataset: str) -> dict:
     return manifest
 
 
-def test_shards_split_by_measured_speed_and_counts_reconcile(two_nodes):
-    af = two_nodes
-    run_id = "two_nodes"
-    af.trigger(run_id, {**CONF, "dataset_name": "two-nodes"})
-    assert af.wait_run(run_id, timeout_s=600) == "success", af.task_states(run_id)
-    states = af.task_states(run_id)
-    assert {k for k in states if k.startswith("fast.generate")} and {k for k in states if k.startswith("slow.")}
-    manifest = check_published_run(af, run_id, "two-nodes")
-
-    folder = run_dir(af, run_id)
-    ready = {n: json.loads((folder / "reports" / "nodes" / n / "ready.json").read_text()) for n in RATES}
-    measured = ready["fast"]["prompts_per_s"] / ready["slow"]["prompts_per_s"]
-    # calibrate measured each node's own servers: the emulated 3x shows as 3x, within what a loaded 2-core
-    # machine does to the fast node's client (its requests are 3x as many per second)
-    assert 2.0 <= measured <= 4.0, ready
-    split = manifest["nodes"]["nodes"]
-    total = sum(n["prompts"] for n in split.values())
-    for name, node in split.items():
-        # the greedy split (each shard to the node that finishes it first) is proportional to within one shard
-        assert abs(node["prompts"] - total * node["rate_share"]) <= CONF["shard_size"], split
-        print(f"node {name}: {len(node['shards'])} shards, {node['prompts']} prompts, rate share "
-              f"{node['rate_share']:.2f}, predicted {node['predicted_s']} s, measured {node['measured_s']} s")
-    assert split["fast"]["prompts"] > 2 * split["slow"]["prompts"]
-
-
 def results_on_disk(folder: Path, shards: list[int]) -> int:
     """Completions of these shards on disk: a finished shard's merged file, else its checkpoint parts."""
     total = 0
@@ -146,17 +122,37 @@ def results_on_disk(folder: Path, shards: list[int]) -> int:
     return total
 
 
-def test_a_node_killed_mid_run_fails_its_shards_and_a_clear_reruns_them_on_it(two_nodes):
+def check_split(folder: Path) -> dict:
+    """Each node's share of the prompts follows the rate calibrate measured on it."""
+    ready = {n: json.loads((folder / "reports" / "nodes" / n / "ready.json").read_text()) for n in RATES}
+    measured = ready["fast"]["prompts_per_s"] / ready["slow"]["prompts_per_s"]
+    # The emulated 3:1 decode rates show as 3:1 (2.94 here) within what a loaded 2-core machine does to the
+    # fast node's client, which has 3x as many requests per second to handle.
+    assert 2.0 <= measured <= 4.0, ready
+    split = json.loads((folder / "reports" / "assignment.json").read_text())["nodes"]
+    total = sum(n["prompts"] for n in split.values())
+    for node in split.values():
+        # each shard goes to the node that would finish it first: proportional to within one shard
+        assert abs(node["prompts"] - total * node["rate_share"]) <= CONF["shard_size"], split
+    assert split["fast"]["prompts"] >= 2 * split["slow"]["prompts"] > 0, split
+    return split
+
+
+def test_two_nodes_split_by_speed_and_a_node_killed_mid_run_loses_nothing(two_nodes):
+    """One run: shards split by each node's measured rate; the slow node dies mid-shard (worker, task processes,
+    servers); its in-flight shards fail; clearing them re-runs them on that node with its setups only; the run
+    publishes every prompt once."""
     af = two_nodes
-    run_id, dataset = "two_nodes_kill", "two-nodes-kill"
+    run_id, dataset = "two_nodes", "two-nodes"
     af.trigger(run_id, {**CONF, "dataset_name": dataset})
     folder = run_dir(af, run_id)
     deadline = time.monotonic() + 300
     while True:  # a slow-node shard has checkpointed results and is still going
         assignment = folder / "reports" / "assignment.json"
         slow = json.loads(assignment.read_text())["nodes"]["slow"]["shards"] if assignment.is_file() else []
-        leases = [p for p in (folder / "fleet" / "slow").glob("lease-*.lock") if p.read_text().startswith("shard ")]
-        if slow and leases and results_on_disk(folder, slow):
+        running = [s for s in slow if (json.loads(p.read_text()) if (p := folder / "status" / f"shard-{s:05d}.json")
+                                        .is_file() else {}).get("state") == "running"]
+        if running and results_on_disk(folder, running):
             break
         assert time.monotonic() < deadline, af.task_states(run_id)
         time.sleep(0.05)
@@ -191,7 +187,13 @@ def test_a_node_killed_mid_run_fails_its_shards_and_a_clear_reruns_them_on_it(tw
     assert not {t for t in names if t.startswith("fast.")}, "clearing a slow-node shard re-ran the fast node's setups"
     assert af.wait_run(run_id, timeout_s=600) == "success", af.task_states(run_id)
 
-    check_published_run(af, run_id, dataset)
+    manifest = check_published_run(af, run_id, dataset)
+    split = check_split(folder)
+    for name, node in manifest["nodes"]["nodes"].items():
+        assert node["shards"] == split[name]["shards"] and node["measured_s"] > 0, (name, node)
+        print(f"node {name}: {len(node['shards'])} shards, {node['prompts']} prompts, rate share "
+              f"{node['rate_share']:.2f}, predicted {node['predicted_s']} s, generating {node['generating_s']} s, "
+              f"first start to last end {node['measured_s']} s")
     resent = 0
     for shard in slow:
         status = json.loads((folder / "status" / f"shard-{shard:05d}.json").read_text())
