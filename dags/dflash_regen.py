@@ -15,6 +15,9 @@ model's chat template, `validate` runs the Great Expectations gate (Data Docs in
 The gates are setup tasks: clearing one failed `generate` shard re-launches and re-checks the fleet, then
 sends only that shard's missing samples.
 Reports land in `<output_root>/runs/<run_id>/reports/`. The demo defaults run on the SGLang emulator.
+
+With several GPU nodes (env `DFLASH_NODES`, README "Several nodes") each node gets a task group on its own queue:
+its fleet setups, its share of the shards (by the rate `calibrate` measured on it) and its teardown.
 """
 
 from __future__ import annotations
