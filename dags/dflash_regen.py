@@ -4,8 +4,10 @@
 Stages the weights to the RAM disk, launches one SGLang server per GPU and proves **every** server is
 fit before any real work: enough KV tokens and running-request slots (`health_check`), and real answers —
 not reasoning only, not truncated, tool calls parsed — to representative prompts at the production
-`max_tokens` (`smoke_test`); `calibrate` then measures one server on the run's own prompts, names the
-resource that binds throughput with the flags that would lift it, and predicts the run's wall time and
+`max_tokens` (`smoke_test`); `autotune` tries other server settings on the first GPU and reports (or, with
+Param autotune = apply, relaunches the fleet with) the fastest; `calibrate` then measures one server on the
+run's own prompts, names the resource that binds throughput with the flags that would lift it, and predicts
+the run's wall time and
 GPU-hours (`reports/capacity.json`). Meanwhile `plan_shards` validates the prompts (bad rows are quarantined with a
 reason) and writes ~1,000-prompt shards; `generate` completes each shard on one leased server, resumably.
 The fleet is stopped as soon as generation ends. `tokenize` computes `input_ids` and `loss_mask` with the
@@ -166,6 +168,11 @@ PARAMS = {
                                 title="Regenerate every assistant turn",
                                 description="Multi-turn prompts: regenerate earlier assistant turns too, feeding "
                                             "back the model's own answers (as SpecForge does)."),
+    "budget": Param(D["budget"], type="string", enum=["full", "train_length"], section=SAMPLING,
+                    title="Generation budget",
+                    description="full = max_tokens for every request; train_length = max_tokens cut to "
+                                "train_max_length minus the prompt's tokens (what the trainer reads): a sample cut "
+                                "there is kept, marked truncated_at_train_length. calibrate reports what it saves."),
     "retry_truncated": Param(D["retry_truncated"], type="boolean", section=SAMPLING,
                              title="Retry truncated/empty once with 2x max_tokens",
                              description="A sample that ends with finish_reason 'length' or without an answer is "
@@ -183,6 +190,24 @@ PARAMS = {
                                        description="Shards keep the calibrated in-flight count (slots plus a small "
                                                    "queue) instead of 'Requests in flight per server'. Server flags "
                                                    "stay yours: the advice names them."),
+    "autotune": Param(D["autotune"], type="string", enum=["off", "advise", "apply"], section=DISPATCH,
+                      title="Autotune server settings",
+                      description="After the gates, try server settings one by one on the first GPU (current; Mamba "
+                                  "pool for 2x and 4x the running batch; radix cache off; MTP off at the largest "
+                                  "batch; FP8 KV; and your own below), measure each for a bounded time and predict "
+                                  "the run: advise = report only, apply = relaunch the fleet with the fastest. "
+                                  "Skipped when calibration_prompts is 0."),
+    "autotune_candidate_s": Param(D["autotune_candidate_s"], type="number", **_range(1, 86_400), section=DISPATCH,
+                                  title="Autotune: seconds per candidate",
+                                  description="Each candidate's measurement stops after this long at most (the "
+                                              "launch and gates come on top)."),
+    "autotune_budget_s": Param(D["autotune_budget_s"], type="number", **_range(1, 7 * 86_400), section=DISPATCH,
+                               title="Autotune: total budget (s)",
+                               description="Candidates that would end past this are skipped (reported as such)."),
+    "autotune_candidates": Param(D["autotune_candidates"], type="array", items={"type": "string"}, section=DISPATCH,
+                                 title="Autotune: extra candidates",
+                                 description="Flag sets to try on top of server_flags, one per line, e.g. "
+                                             "'--max-running-requests 24 --max-mamba-cache-size 120'."),
     "stall_timeout_s": Param(D["stall_timeout_s"], type="number", **_range(1, 86_400), section=DISPATCH,
                              title="Stall timeout (s)",
                              description="A streamed answer with no byte for this long is a stall (retried). Not a "
@@ -283,6 +308,12 @@ def dflash_regen():
     def smoke_test(fleet: dict, health: dict, params=None, run_id=None, node=None) -> dict:
         return dag_tasks.smoke_test(params, run_id, node=node)
 
+    # Tries server settings on the first GPU and, with Param autotune = apply, relaunches the fleet with the fastest.
+    @setup
+    @task(retries=0)
+    def autotune(staged: dict, checked: dict, shards: list[dict], params=None, run_id=None, node=None) -> dict:
+        return dag_tasks.autotune_fleet(params, run_id, staged["model_path"], node=node)
+
     @task
     def plan_shards(params=None, run_id=None) -> list[dict]:
         return dag_tasks.plan_shards(params, run_id)
@@ -327,10 +358,12 @@ def dflash_regen():
         return dag_tasks.check_published(params, run_id)
 
     if not NODES:
-        fleet = launch_fleet(stage_weights())
+        staged = stage_weights()
+        fleet = launch_fleet(staged)
         checked = smoke_test(fleet, health_check(fleet))
         shards = plan_shards()  # runs while the servers load: it needs no GPU
-        calibrated = calibrate(checked, shards)  # measures one server on the run's own prompts, predicts the run
+        tuned = autotune(staged, checked, shards)
+        calibrated = calibrate(tuned, shards)  # measures one server on the run's own prompts, predicts the run
         generated = generate.expand(shard=shards)
         calibrated >> generated >> stop_fleet(fleet)  # the servers are not needed past generation
         publish(validate(tokenize.expand(generated=generated))) >> check_published()
@@ -368,11 +401,12 @@ def dflash_regen():
             fleet = launch_fleet.override(**on_node)(staged, node=spec)
             health = health_check.override(**on_node)(fleet, node=spec)
             checked = smoke_test.override(**on_node)(fleet, health, node=spec)
-            calibrated = calibrate.override(**on_node)(checked, shards, node=spec)
+            tuned = autotune.override(**on_node)(staged, checked, shards, node=spec)
+            calibrated = calibrate.override(**on_node)(tuned, shards, node=spec)
             stop = stop_fleet.override(**on_node)(fleet, node=spec)
             # Each setup gets this node's teardown, so clearing a shard of another node leaves them alone
             # (Airflow re-runs an upstream setup that has no teardown, whichever node it belongs to).
-            [health, checked, calibrated] >> stop
+            [health, checked, tuned, calibrated] >> stop
             node_ready.override(**on_node)(calibrated, node=spec) >> assigned  # skipped when the node is left out
             mine = node_shards(assigned, node.name)
             generated = generate.override(**on_node).partial(node=spec).expand(shard=mine)

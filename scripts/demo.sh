@@ -16,8 +16,9 @@ export AIRFLOW__LOGGING__WORKER_LOG_SERVER_PORT=$(free_port) AIRFLOW__LOGGING__T
 RUN_ID="demo__$(date -u +%Y%m%dT%H%M%S)"
 LOG="$AIRFLOW_HOME/demo-${RUN_ID#demo__}.log"
 # Small shards so the demo fans out over all seven servers; a fast emulated decode so it takes seconds.
+# autotune (advise) tries its candidates on the first server for at most 3 s each: seconds, not minutes.
 CONF='{"staging_dir": "'"${DFLASH_STAGING_DIR:-/dev/shm/dflash-demo-model}"'", "shard_size": 20, '\
-'"emulator_profile": {"decode_tokens_per_s": 3000}}'
+'"emulator_profile": {"decode_tokens_per_s": 3000, "saturation_tokens_per_s": 24000}, "autotune_candidate_s": 3}'
 started=$(date +%s)
 setsid airflow standalone >"$LOG" 2>&1 &
 PID=$!

@@ -48,6 +48,7 @@ from dflash_regen.sglang import (
     Api,
     ChatResult,
     make_session,
+    reasoning_tokens,
     with_retries,
 )
 
@@ -198,12 +199,17 @@ class _Level:
             with self._lock:
                 self.results.append(result)
 
-    def run(self, window_s: float | None) -> dict:
+    def run(self, window_s: float | None, cap_s: float | None = None) -> dict:
         """One level: warm up until the server runs the whole batch (at most `WARMUP_S`), then measure.
 
         With `window_s` the level is measured for that long and cut; without it the prompts run out
-        and the measurement ends when the last one is sent (the drain that follows is not steady state).
+        and the measurement ends when the last one is sent (the drain that follows is not steady state),
+        or after `cap_s` at most (the rest is cut: a time-bounded measurement).
         """
+        if cap_s is not None and window_s is None:
+            timer = threading.Timer(cap_s, self.drained.set)  # as if the prompts had run out
+            timer.daemon = True
+            timer.start()
         threads = [threading.Thread(target=self._worker, daemon=True) for _ in range(self.concurrency)]
         tokens_start = read_metrics(self.api)[0]
         started = time.monotonic()
@@ -228,7 +234,7 @@ class _Level:
             if (window_s and time.monotonic() - t0 >= window_s) or (not window_s and self.drained.is_set()):
                 break
         t1, tokens1 = time.monotonic(), read_metrics(self.api)[0]
-        if window_s:
+        if window_s or cap_s is not None:
             self.stop.set()
         for t in threads:
             t.join()
@@ -248,8 +254,12 @@ class _Level:
 
 
 def measure_server(server: Server, api_key: str, settings: GenerationSettings, prompts: list[dict],
-                   slots: int) -> dict:
-    """Measure output tok/s at each of `levels_for(slots)` on one server; returns the calibration record."""
+                   slots: int, budget_s: float | None = None) -> dict:
+    """Measure output tok/s at each of `levels_for(slots)` on one server; returns the calibration record.
+
+    With `budget_s` the whole measurement takes about that long at most: the full-slot level is cut at 70% of
+    it (its output lengths are then the answers that finished, biased short) and the windows share the rest.
+    """
     if not prompts:
         raise CapacityError("no prompts to calibrate with")
     started = time.monotonic()
@@ -257,14 +267,17 @@ def measure_server(server: Server, api_key: str, settings: GenerationSettings, p
     log.info("calibrating %s: %d prompts from the run's shards, concurrency %s", server.name, len(prompts),
              "/".join(map(str, levels)))
     top = _Level(server, api_key, settings, prompts, slots, cycle=False)
-    measured = [top.run(window_s=None)]
+    measured = [top.run(window_s=None, cap_s=0.7 * budget_s if budget_s else None)]
     lengths = [r.usage.get("completion_tokens") or 0 for r in top.results]
     prompt_tokens = [r.usage.get("prompt_tokens") or 0 for r in top.results]
+    reasoning = [reasoning_tokens(r.usage) for r in top.results]
     finish: dict[str, int] = {}
     for r in top.results:
         finish[r.finish_reason or "none"] = finish.get(r.finish_reason or "none", 0) + 1
     # Lower levels only need the rate: short windows, a tenth of the full-sample run each.
     window = min(max(0.1 * measured[0]["total_s"], MIN_WINDOW_S), MAX_WINDOW_S)
+    if budget_s:
+        window = min(window, max(0.1 * budget_s, MIN_WINDOW_S / 2))
     for c in reversed(levels[:-1]):
         measured.append(_Level(server, api_key, settings, prompts, c, cycle=True).run(window_s=window))
     measured.sort(key=lambda lv: lv["concurrency"])
@@ -275,7 +288,8 @@ def measure_server(server: Server, api_key: str, settings: GenerationSettings, p
             # From a standing start the batch fills request by request (tokenize, prefill): a shard pays it once.
             "fill_s": measured[-1]["fill_s"] or 0.0,
             "seconds": round(time.monotonic() - started, 1), "levels": measured,
-            "output_tokens": lengths, "prompt_tokens": prompt_tokens, "finish_reasons": finish,
+            "output_tokens": lengths, "prompt_tokens": prompt_tokens, "reasoning_tokens": reasoning,
+            "finish_reasons": finish,
             "max_tokens": settings.max_tokens}
 
 
@@ -300,10 +314,12 @@ class Memory:
         slots, mamba = alloc["running_slots"], alloc.get("mamba_slots")
         ratio = None
         if mamba:
-            # SGLang: 1 without radix cache, else 3, +2 for extra_buffer with overlap (spec v2), +1 without.
+            # SGLang: 1 without radix cache, else 3, +2 for extra_buffer with overlap (spec v2), +1 without or lazy.
             ratio = 1 if not alloc.get("radix_cache", True) else 3
             if alloc.get("radix_cache", True) and alloc.get("mamba_strategy") == "extra_buffer":
                 ratio += 1 if mamba // 4 == slots and mamba // 5 != slots else 2
+            elif alloc.get("radix_cache", True) and alloc.get("mamba_strategy") == "extra_buffer_lazy":
+                ratio += 1  # the second tracking slot is deferred
             ratio = figures.get("mamba_ratio") or ratio  # 0.5.18+ logs it
         return cls(server=entry.get("server", ""), kv_tokens=alloc["kv_tokens"], running_slots=slots,
                    max_running_requests=alloc.get("max_running_requests"), mamba_slots=mamba, mamba_ratio=ratio,
@@ -315,12 +331,14 @@ class Memory:
         return bool(self.kv_gb and self.mamba_gb and self.mamba_slots and self.mamba_ratio
                     and self.reserve_gb is not None and self.kv_tokens)
 
-    def kv_tokens_at(self, running: int) -> int | None:
-        """KV tokens with `--max-mamba-cache-size running*ratio --max-running-requests running`, same memory."""
+    def kv_tokens_at(self, running: int, speculative: bool = True) -> int | None:
+        """KV tokens with `--max-mamba-cache-size running*ratio --max-running-requests running`, same memory
+        (without MTP, `speculative=False`, the draft's reserve goes to the pool too)."""
         if not self.knows_pools:
             return None
         pool = self.kv_gb + self.mamba_gb + self.reserve_gb
-        reserve_per_request = self.reserve_gb / (self.max_running_requests or self.running_slots)
+        reserve_per_request = self.reserve_gb / (self.max_running_requests or self.running_slots) if speculative \
+            else 0.0
         left = pool - running * self.mamba_ratio * self.mamba_gb / self.mamba_slots - running * reserve_per_request
         return max(int(left / (self.kv_gb / self.kv_tokens)), 0)
 
@@ -498,15 +516,35 @@ def memories(health: dict, calibrated_url: str) -> list[Memory]:
     return [Memory.from_health(e) for e in entries]
 
 
+def train_length_budget(calibration: dict, train_max_length: int, scale: float = 1.0) -> dict | None:
+    """What cutting each answer at `train_max_length - its prompt tokens` (what the trainer reads) saves and costs,
+    from the calibration's sample (output lengths rescaled by `scale` like the prediction's)."""
+    pairs = [(o * scale, p, (r or 0) * scale) for o, p, r in zip(
+        calibration["output_tokens"], calibration["prompt_tokens"],
+        calibration.get("reasoning_tokens") or [0] * len(calibration["output_tokens"]), strict=False) if o > 0]
+    if not train_max_length or not pairs:
+        return None
+    out = np.array([o for o, _, _ in pairs])
+    room = np.array([max(train_max_length - p, 1) for _, p, _ in pairs], float)
+    reasoning = np.array([r for _, _, r in pairs])
+    cut = out > room
+    return {"train_max_length": train_max_length, "samples": len(pairs),
+            "tokens_past_share": round(float(np.maximum(out - room, 0).sum() / out.sum()), 4),
+            "samples_cut_share": round(float(cut.mean()), 4),
+            # cut before the thinking ended: the sample keeps no answer, only reasoning
+            "reasoning_only_share": round(float((cut & (reasoning >= room)).mean()), 4),
+            "lengths": np.minimum(out, room)}
+
+
 def plan_report(calibration: dict, mems: list[Memory], shape: RunShape, *, server_flags: str = "",
-                seed: int = 0) -> dict:
+                seed: int = 0, train_max_length: int = 0) -> dict:
     """The full capacity report (`capacity.json`) from a measurement and health_check's figures."""
     curve = Curve.fit(calibration["levels"])
     lengths = np.array([x for x in calibration["output_tokens"] if x > 0], float)
     if not lengths.size:
         raise CapacityError("the calibration produced no finished answers; nothing to size the run with")
-    if shape.mean_output_tokens:
-        lengths = lengths * shape.mean_output_tokens / lengths.mean()
+    scale = shape.mean_output_tokens / lengths.mean() if shape.mean_output_tokens else 1.0
+    lengths = lengths * scale
     prompt_mean = float(np.mean(calibration["prompt_tokens"])) if calibration["prompt_tokens"] else 0.0
     request_tokens = prompt_mean + float(lengths.mean())
     measured = mems
@@ -524,6 +562,14 @@ def plan_report(calibration: dict, mems: list[Memory], shape: RunShape, *, serve
         flags = " ".join(x for x in (server_flags, advice["server_flags"]) if x)
         scenarios.append({"name": "advised", "server_flags": flags,
                           "concurrency_per_server": advice["concurrency_per_server_advised"], **advised})
+    budget = train_length_budget(calibration, train_max_length, scale)
+    if budget:
+        clipped = budget.pop("lengths")
+        at_budget = predict(curve, clipped, shape, [running_batch(m, shape, prompt_mean + float(clipped.mean()))[0]
+                                                    for m in mems], fill_s=fill_s, seed=seed)
+        scenarios.append({"name": "train-length budget", "server_flags": server_flags,
+                          "concurrency_per_server": scenarios[0]["concurrency_per_server"], **at_budget})
+        budget["saving_share"] = round(1 - at_budget["wall_s"] / current["wall_s"], 4)
     return {"version": SCHEMA_VERSION, "created_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "calibration": calibration, "curve": curve.to_dict(),
             "allocation": [m.to_dict() for m in measured],
@@ -531,7 +577,7 @@ def plan_report(calibration: dict, mems: list[Memory], shape: RunShape, *, serve
                     "mean_prompt_tokens": round(prompt_mean, 1),
                     "output_tokens_total": int(shape.prompts * lengths.mean())},
             "binding": {"resource": advice["resource"], "detail": advice["detail"]},
-            "advice": advice, "scenarios": scenarios, "table": table_rows(scenarios)}
+            "advice": advice, "scenarios": scenarios, "table": table_rows(scenarios), "budget": budget}
 
 
 # ------------------------------------------------------------------------------------------------ output
@@ -573,6 +619,11 @@ def format_table(report: dict) -> str:
     lines.append(f"client: concurrency_per_server {advice['concurrency_per_server']} suits the current servers "
                  "(Param apply_advised_concurrency applies it)")
     lines += [f"note: {n}" for n in advice["notes"]]
+    if b := report.get("budget"):
+        lines.append(f"train-length budget (max_tokens = {b['train_max_length']:,} - prompt tokens, what the trainer "
+                     f"reads): {b['tokens_past_share']:.1%} of output tokens lie past it; it saves "
+                     f"{b['saving_share']:.1%} of the generation time and cuts {b['samples_cut_share']:.1%} of the "
+                     f"samples ({b['reasoning_only_share']:.1%} left reasoning-only); Param budget = train_length")
     rows = [list(report["table"][0])] + [list(row.values()) for row in report["table"]]
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     table = ["| " + " | ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) + " |" for r in rows]
@@ -590,7 +641,7 @@ def read_report(reports_dir: Path) -> dict | None:
 
 
 def calibrate(server: Server, api_key: str, health: dict, shards: list[dict], settings: GenerationSettings,
-              shape: RunShape, *, prompts: int, server_flags: str = "") -> dict:
+              shape: RunShape, *, prompts: int, server_flags: str = "", train_max_length: int = 0) -> dict:
     """Measure `server` with `prompts` prompts of the run's shards and plan the run: the capacity report."""
     entry = next((s for s in health["servers"] if s.get("url") == server.url and s.get("allocation")), None)
     if entry is None:
@@ -602,7 +653,7 @@ def calibrate(server: Server, api_key: str, health: dict, shards: list[dict], se
                             f"steady state, the run has {len(sample)}; set Param calibration_prompts to 0 to skip it")
     calibration = measure_server(server, api_key, settings, sample, slots)
     return plan_report(calibration, memories(health, server.url), shape, server_flags=server_flags,
-                       seed=settings.seed)
+                       seed=settings.seed, train_max_length=train_max_length)
 
 
 # ---------------------------------------------------------------------------------------------------- CLI
@@ -612,6 +663,8 @@ def _shape_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shard-size", type=int, help="prompts per shard (default: the run's)")
     p.add_argument("--mean-output-tokens", type=float, help="rescale the measured output lengths to this mean")
     p.add_argument("--concurrency-per-server", type=int, help="client requests in flight per server (0 = slots)")
+    p.add_argument("--train-max-length", type=int, default=4096,
+                   help="the trainer's max_length: report what a train-length budget saves (0 = not)")
     p.add_argument("--json", type=Path, help="also write the report here")
 
 
@@ -648,7 +701,8 @@ def _emulate(ns) -> dict:
             health = probes.health_gate(servers, key, cfg.fleet)
             shape = _shape(ns, RunShape(plan["accepted"], 1, cfg.plan.shard_size, cfg.generation.in_flight))
             return calibrate(servers[0], key, health, plan["shards"], cfg.generation, shape,
-                             prompts=ns.calibration_prompts, server_flags=ns.server_flags)
+                             prompts=ns.calibration_prompts, server_flags=ns.server_flags,
+                             train_max_length=ns.train_max_length)
         finally:
             fleet.stop_fleet(cfg.fleet_dir)
 
@@ -677,7 +731,8 @@ def main(argv: list[str] | None = None) -> int:
         default = RunShape(run["prompts"], run["servers"], run["shard_size"], run["concurrency_per_server"],
                            run["mean_output_tokens"])
         report = plan_report(stored["calibration"], [Memory(**m) for m in stored["allocation"]],
-                             _shape(ns, default), server_flags=stored["scenarios"][0]["server_flags"])
+                             _shape(ns, default), server_flags=stored["scenarios"][0]["server_flags"],
+                             train_max_length=ns.train_max_length)
     print(format_table(report))
     if ns.json:
         atomic.write_json(ns.json, report)

@@ -88,6 +88,11 @@ DEFAULTS: dict[str, Any] = {
     "concurrency_per_server": 0,
     "calibration_prompts": 64,
     "apply_advised_concurrency": False,
+    "autotune": "advise",
+    "autotune_candidate_s": 180.0,
+    "autotune_budget_s": 1800.0,
+    "autotune_candidates": [],
+    "budget": "full",
     "stall_timeout_s": 300.0,
     "request_cap_s": 7200.0,
     "request_retries": 4,
@@ -259,6 +264,7 @@ class PlanSettings:
     max_shards: int = 1024  # Airflow's [core] max_map_length: more mapped shards cannot be expanded
     train_max_length: int = 0  # prompts this long leave nothing to train on; 0 = not checked
     max_overlong_share: float = 1.0
+    count_tokens: bool = False  # count every prompt's tokens (Param budget train_length), not only long ones
 
 
 @dataclass(frozen=True)
@@ -283,12 +289,21 @@ class GenerationSettings:
     served_model: str
     reasoning_parser: str
     max_error_share: float = 0.05  # share of a shard's prompts the servers may refuse (quarantined) before it fails
+    train_budget: int = 0  # Param budget train_length: max_tokens = this - the prompt's tokens; 0 = max_tokens
 
 
 @dataclass(frozen=True)
 class CapacitySettings:
     calibration_prompts: int  # 0 = no calibration
     apply_advised_concurrency: bool  # generate keeps the planner's in-flight count instead of in_flight
+
+
+@dataclass(frozen=True)
+class AutotuneSettings:
+    mode: str = "off"  # off | advise | apply (autotune.MODES)
+    candidate_s: float = 180.0  # at most this long per candidate's measurement
+    budget_s: float = 1800.0  # candidates that would end past this are skipped
+    extra: tuple[str, ...] = ()  # flag sets to try besides the derived candidates
 
 
 @dataclass(frozen=True)
@@ -320,6 +335,8 @@ class RunConfig:
     dataset_name: str
     params: dict = field(repr=False, compare=False, default_factory=dict)
     node: str = ""  # a node of several (dflash_regen.nodes); "" = the one-node deployment
+    autotune: AutotuneSettings = AutotuneSettings()
+    budget: str = "full"  # full | train_length: max_tokens per request = train_max_length - its prompt tokens
 
     @property
     def run_dir(self) -> Path:
@@ -429,6 +446,7 @@ class RunConfig:
             prompt_format=_choice(params, "prompt_format", PROMPT_FORMATS),
             train_max_length=_int(params, "train_max_length", 1, 10_000_000),
             max_overlong_share=_float(params, "max_overlong_share", 0.0, 1.0),
+            count_tokens=_choice(params, "budget", ("full", "train_length")) == "train_length",
         )
         if plan.max_tokens >= plan.context_length:
             raise _fail("max_tokens", plan.max_tokens, f"must be below context_length {plan.context_length:,}")
@@ -446,6 +464,8 @@ class RunConfig:
             checkpoint_s=_float(params, "checkpoint_s", 0.1, 86_400),
             progress_s=30.0, served_model=served, reasoning_parser=_flag_value(flags, "--reasoning-parser"),
             max_error_share=_float(params, "max_generate_error_share", 0.0, 1.0),
+            train_budget=(plan.train_max_length if _choice(params, "budget", ("full", "train_length")) == "train_length"
+                          else 0),
         )
         quality = QualitySettings(
             empty_mask_tokens=_int(params, "empty_mask_tokens", 0, 1000),
@@ -457,6 +477,18 @@ class RunConfig:
         )
         capacity = CapacitySettings(calibration_prompts=_int(params, "calibration_prompts", 0, 100_000),
                                     apply_advised_concurrency=_bool(params, "apply_advised_concurrency"))
+        extra = params.get("autotune_candidates") or []
+        if not isinstance(extra, list) or not all(isinstance(x, str) for x in extra):
+            raise _fail("autotune_candidates", extra, "must be a list of flag sets, e.g. "
+                        '["--max-running-requests 24", "--kv-cache-dtype fp8_e4m3"]')
+        for flags in extra:
+            for flag, _ in parse_flags(flags):
+                if flag in {"--model-path", "--model", "--host", "--port", "--api-key"}:
+                    raise _fail("autotune_candidates", flags, f"{flag} is set by the launcher (per server); remove it")
+        autotune = AutotuneSettings(mode=_choice(params, "autotune", ("off", "advise", "apply")),
+                                    candidate_s=_float(params, "autotune_candidate_s", 1, 86_400),
+                                    budget_s=_float(params, "autotune_budget_s", 1, 7 * 86_400),
+                                    extra=tuple(x.strip() for x in extra if x.strip()))
         dataset_name = _str(params, "dataset_name")
         if not _DATASET_NAME.fullmatch(dataset_name):
             raise _fail("dataset_name", dataset_name, "must be letters, digits, '.', '_' or '-' (no '/' or '..'), "
@@ -465,4 +497,4 @@ class RunConfig:
                    staging_dir=staging_dir, fleet=fleet, sampling=sampling, prompt_source=prompt_source,
                    plan=plan, generation=generation, quality=quality, capacity=capacity,
                    mask_reasoning=_bool(params, "mask_reasoning"), dataset_name=dataset_name, params=dict(params),
-                   node=node)
+                   node=node, autotune=autotune, budget=_choice(params, "budget", ("full", "train_length")))

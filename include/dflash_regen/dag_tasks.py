@@ -21,6 +21,7 @@ from airflow.sdk.exceptions import AirflowFailException, AirflowSkipException
 
 from dflash_regen import (
     atomic,
+    autotune,
     capacity,
     fleet,
     generation,
@@ -198,6 +199,62 @@ def smoke_test(params: dict, run_id: str, node: dict | None = None) -> dict:
 
 @leave_out_node
 @fail_fast
+def autotune_fleet(params: dict, run_id: str, model_path: str, node: dict | None = None) -> dict:
+    """Try server settings on the first GPU, report (`reports/autotune.json`), and with `apply` relaunch the
+    fleet with the fastest; the fleet is re-gated (health + smoke) either way, since tuning took its first GPU."""
+    cfg = _cfg(params, run_id, node)
+    settings = cfg.autotune
+    if settings.mode == "off":
+        log.info("autotune off (Param autotune)")
+        return {"mode": "off"}
+    if not cfg.capacity.calibration_prompts:
+        log.info("autotune skipped: it measures with calibration's sample and Param calibration_prompts is 0")
+        return {"mode": settings.mode, "skipped": "calibration_prompts is 0"}
+    plan = json.loads((cfg.run_dir / "shards" / "plan.json").read_text())
+    print_ = autotune.fingerprint(cfg, settings.candidate_s, list(settings.extra))
+    report = autotune.read_report(cfg.node_reports_dir)
+    reused = bool(report and report.get("fingerprint") == print_ and report.get("candidates"))
+    if reused:
+        log.info("autotune: reusing reports/autotune.json from an earlier attempt (same settings)")
+    else:
+        try:
+            report = autotune.tune(cfg, Path(model_path), plan["shards"], plan["accepted"],
+                                   candidate_s=settings.candidate_s, budget_s=settings.budget_s,
+                                   extra=list(settings.extra))
+        except capacity.TooFewPrompts as exc:  # the fleet still runs: nothing was stopped
+            log.warning("autotune skipped: %s", exc)
+            return {"mode": settings.mode, "skipped": str(exc)}
+        report["fingerprint"] = print_
+    winner = next((r for r in report["candidates"] if r.get("chosen")), None)
+    flags = winner["flags"] if settings.mode == "apply" and winner else ""
+    run_cfg = autotune.Tuner(cfg, Path(model_path), [], 0).candidate_cfg(autotune.Candidate("fleet", flags)) \
+        if flags else cfg
+    report.update(mode=settings.mode, applied_flags=flags,
+                  action=(f"fleet relaunched with {winner['candidate']}: {flags}" if flags else
+                          "fleet relaunched with the run's own flags" +
+                          (f"; to use {winner['candidate']}, add '{winner['flags']}' to server_flags or set Param "
+                           "autotune to apply" if winner and winner["flags"] else "")))
+    autotune.write_report(cfg.node_reports_dir, report)
+    log.info("autotune (reports/autotune.json):\n%s", autotune.format_table(report))
+    if reused and not flags:  # nothing was stopped: the fleet the setups launched and gated stays
+        return {"mode": settings.mode, "chosen": report["chosen"], "applied_flags": "", "reused": True}
+    started = time.monotonic()
+    servers = fleet.launch_fleet(run_cfg.fleet, Path(model_path), cfg.fleet_dir)
+    key = fleet.read_api_key(cfg.fleet_dir)
+    try:
+        write_report(cfg, "health", probes.health_gate(servers, key, run_cfg.fleet))
+        write_report(cfg, "smoke", smoke.smoke_gate(servers, key, run_cfg.sampling, run_cfg.fleet.served_model_name))
+    except GateFailed:
+        fleet.stop_fleet(cfg.fleet_dir)
+        raise
+    report["relaunch_s"] = round(time.monotonic() - started, 1)
+    autotune.write_report(cfg.node_reports_dir, report)
+    return {"mode": settings.mode, "chosen": report["chosen"], "applied_flags": flags,
+            "tuning_s": report["tuning_s"]}
+
+
+@leave_out_node
+@fail_fast
 def calibrate(params: dict, run_id: str, node: dict | None = None) -> dict:
     """Measure one server on the run's prompts, advise, predict; `reports/capacity.json`."""
     cfg = _cfg(params, run_id, node)
@@ -212,9 +269,11 @@ def calibrate(params: dict, run_id: str, node: dict | None = None) -> dict:
                               concurrency_per_server=cfg.generation.in_flight)
     lease = generation.lease_server(cfg.fleet_dir, healthy, 0, wait_s=cfg.fleet.ready_timeout_s)
     try:
+        tuned = autotune.applied_flags(cfg.node_reports_dir)  # the fleet runs the autotuned flags on top
+        flags = " ".join(x for x in (cfg.params.get("server_flags") or "", tuned or "") if x)
         report = capacity.calibrate(lease.server, key, health, plan["shards"], cfg.generation, shape,
-                                    prompts=cfg.capacity.calibration_prompts,
-                                    server_flags=cfg.params.get("server_flags") or "")
+                                    prompts=cfg.capacity.calibration_prompts, server_flags=flags,
+                                    train_max_length=cfg.plan.train_max_length)
     except capacity.TooFewPrompts as exc:  # a run this small is over before a prediction would help
         log.warning("calibration skipped: %s", exc)
         return {"calibrated": False}

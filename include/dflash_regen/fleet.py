@@ -51,6 +51,7 @@ class Server:
     pid: int = 0  # the server process
     start_ticks: int = 0
     pgid: int = 0  # its process group: the watcher that waits on it (0 = the server itself)
+    log_offset: int = 0  # where this launch's lines start in the log (a relaunch of the run appends to it)
 
     @property
     def url(self) -> str:
@@ -266,6 +267,7 @@ def start_server(server: Server, base_env: dict[str, str], fleet_dir: Path,
     log.info("launching %s: %s", server.name, redact(shlex.join(server.argv), api_key))
     watch = [sys.executable, "-m", "dflash_regen.server_watch", str(exit_path(fleet_dir, server.index))]
     with open(server.log_path, "ab") as logf:
+        offset = logf.tell()
         proc = subprocess.Popen([*watch, *server.argv], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                 stderr=logf, env=env, start_new_session=True, close_fds=True)
     line = proc.stdout.readline()
@@ -275,7 +277,8 @@ def start_server(server: Server, base_env: dict[str, str], fleet_dir: Path,
         raise FleetError(f"{server.name} could not be started (watcher exit {proc.returncode}); log: "
                          f"{server.log_path}; last lines:\n{log_tail(server.log_path, api_key)}")
     pid = int(line)
-    launched = Server(**{**asdict(server), "pid": pid, "start_ticks": start_ticks(pid), "pgid": proc.pid})
+    launched = Server(**{**asdict(server), "pid": pid, "start_ticks": start_ticks(pid), "pgid": proc.pid,
+                         "log_offset": offset})
     record = {**asdict(launched), "argv": [redact(a, api_key) for a in launched.argv],
               "env": base_env, "launched_at": time.time()}
     path = spec_path(fleet_dir, server.index)

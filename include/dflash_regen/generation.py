@@ -57,6 +57,9 @@ from dflash_regen.sglang import ChatResult, make_session, stream_chat
 log = logging.getLogger(__name__)
 
 THINK_MARKERS = ("<think>", "</think>")
+# A cut answer is closed by the chat template (`</think>`, `\n\n`, `<|im_end|>`, `\n`): leave it room within the
+# training length, so a sample cut by Param budget train_length still fits train_max_length once tokenized.
+TRAIN_BUDGET_RESERVE = 8
 COMPLETION_SCHEMA = pa.schema([
     ("sample_id", pa.string()), ("shard", pa.int32()), ("server", pa.string()),
     ("reasoning_content", pa.string()), ("content", pa.string()), ("tool_calls", pa.string()),
@@ -67,7 +70,7 @@ COMPLETION_SCHEMA = pa.schema([
     ("min_p", pa.float32()), ("presence_penalty", pa.float32()), ("seed", pa.int64()),
     ("enable_thinking", pa.bool_()), ("served_model", pa.string()), ("model_revision", pa.string()),
     ("reasoning_parser", pa.string()), ("think_marker_leak", pa.bool_()), ("empty_content", pa.bool_()),
-    ("assistant_turns", pa.string()),
+    ("assistant_turns", pa.string()), ("truncated_at_train_length", pa.bool_()),
 ])
 
 
@@ -304,8 +307,13 @@ class Generator:
                     history.append(msg)
             targets = history
         max_tokens = s.max_tokens
+        if s.train_budget:  # what the trainer reads: train_max_length - this prompt's tokens (planning's count)
+            room = s.train_budget - (sample.get("prompt_tokens") or 0) - TRAIN_BUDGET_RESERVE
+            max_tokens = max(1, min(s.max_tokens, room))
         result, attempt, served_by = self._request(chat_payload(targets, tools, s, seed, max_tokens))
-        if s.retry_truncated and (result.finish_reason == "length" or not (result.content or result.tool_calls)):
+        at_train_length = result.finish_reason == "length" and max_tokens < s.max_tokens
+        if s.retry_truncated and not at_train_length and (result.finish_reason == "length"
+                                                          or not (result.content or result.tool_calls)):
             max_tokens = 2 * s.max_tokens
             result, extra, served_by = self._request(chat_payload(targets, tools, s, seed, max_tokens))
             attempt += extra
@@ -325,6 +333,8 @@ class Generator:
             "think_marker_leak": any(m in (result.content or "") for m in THINK_MARKERS),
             "empty_content": not (result.content or "").strip() and not result.tool_calls,
             "assistant_turns": json.dumps(turns, ensure_ascii=False),
+            # Cut where the trainer stops reading (Param budget train_length): kept as training text, not a failure.
+            "truncated_at_train_length": at_train_length,
         }
 
 
@@ -446,6 +456,13 @@ def generate_shard(paths: ShardPaths, lease: Lease, api_key: str, settings: Gene
     except ServerUnhealthy as exc:
         raise _shard_failed(paths.shard, server, exc, fleet_dir, api_key, len(done_ids) + len(failed_ids),
                             table.num_rows, status) from None
+    if settings.train_budget:  # each request's max_tokens needs its prompt's tokens (planning counts them: a
+        # shard planned without the budget has only the long ones counted)
+        counter = TokenCounter()
+        for row in todo:
+            if row.get("prompt_tokens") is None:
+                row["prompt_tokens"] = counter.count(Prompt(row["sample_id"], json.loads(row["messages"]),
+                                                            json.loads(row["tools"]) if row["tools"] else None, "", 0))
     too_long = _too_long(todo, server, context, settings.max_tokens)
     todo = [row for row in todo if row["sample_id"] not in too_long]
     in_flight = settings.in_flight or slots

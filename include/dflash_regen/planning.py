@@ -30,6 +30,9 @@ QUARANTINE_SCHEMA = pa.schema([("location", pa.string()), ("stage", pa.string())
 # ChatML framing per turn (<|im_start|>role\n ... <|im_end|>\n) and the generation header, in tokens.
 TURN_OVERHEAD_TOKENS = 5
 HEADER_TOKENS = 5
+# Qwen3.6's chat template puts a tool preamble and calling instructions into the system turn when tools are
+# offered (chat_template.jinja): 196 tokens of the Qwen3.6 vocabulary, plus the system turn's own header.
+TOOLS_TEMPLATE_TOKENS = 196 + TURN_OVERHEAD_TOKENS
 
 
 def shard_label(index: int, prompts: int) -> str:
@@ -57,7 +60,8 @@ class TokenCounter:
             self._tok = get_tokenizer("Qwen/Qwen3.6-27B")
         text = "".join(m["content"] + json.dumps(m.get("tool_calls") or "") for m in prompt.messages)
         tools = json.dumps(prompt.tools) if prompt.tools else ""
-        return len(self._tok.encode(text + tools)) + TURN_OVERHEAD_TOKENS * len(prompt.messages) + HEADER_TOKENS
+        return len(self._tok.encode(text + tools)) + TURN_OVERHEAD_TOKENS * len(prompt.messages) + HEADER_TOKENS \
+            + (TOOLS_TEMPLATE_TOKENS if prompt.tools else 0)
 
 
 def plan_shards(source: Path, shards_dir: Path, quarantine_path: Path, settings: PlanSettings) -> dict:
@@ -115,7 +119,8 @@ def plan_shards(source: Path, shards_dir: Path, quarantine_path: Path, settings:
         seen.add(digest)
         # A token is at least one byte, so only prompts with more bytes than the budget can be over-long.
         limit = min(budget, settings.train_max_length or budget)
-        tokens = counter.count(row) if row.text_bytes + 64 >= limit else None
+        # With Param budget train_length every request's max_tokens needs its prompt's count: count them all here.
+        tokens = counter.count(row) if settings.count_tokens or row.text_bytes + 64 >= limit else None
         if tokens is not None and tokens >= budget:
             rejected.append(Rejection(location, "too_long", f"{tokens:,} prompt tokens + max_tokens "
                                       f"{settings.max_tokens:,} exceed context_length {settings.context_length:,}",

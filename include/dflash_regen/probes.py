@@ -70,8 +70,9 @@ def probe_server(server: Server, api_key: str, cfg: FleetConfig, timeout_s: floa
                                f"token (SGLang runs a 1-token generation); log: {server.log_path}")
         return result
     try:
-        with open(server.log_path, errors="replace") as f:
-            result.log_figures = parse_startup_log(f.read(4 * 1024 * 1024))
+        with open(server.log_path, "rb") as f:
+            f.seek(server.log_offset)  # this launch's startup lines, not an earlier launch's of the same run
+            result.log_figures = parse_startup_log(f.read(4 * 1024 * 1024).decode("utf-8", "replace"))
     except FileNotFoundError:
         result.log_figures = {}
     try:

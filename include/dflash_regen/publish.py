@@ -114,8 +114,8 @@ top_p {manifest['config'].get('top_p')}, max_tokens {manifest['config'].get('max
 | output tokens | {t['output']:,} |
 | total tokens (prompt + output) | {t['total']:,} |
 
-Input formats: {_counts(source.get('formats'))}. Repairs made to the input (by kind, over the planned
-prompts): {_counts(source.get('repairs'))}.
+{_budget_note(manifest)}Input formats: {_counts(source.get('formats'))}. Repairs made to the input (by kind, over the
+planned prompts): {_counts(source.get('repairs'))}.
 
 Files: `conversations.jsonl` (SpecForge training format; every row has `id`, `conversations` and `tools`,
 `[]` when none, and every turn `role`, `content`, `reasoning_content`, `tool_calls`, `tool_call_id`, empty
@@ -123,6 +123,17 @@ when unused), `tokenized/` (input_ids, loss_mask; loss mask = the generated assi
 SpecForge `qwen3.5` convention). Offline hidden states for this set would need about
 {manifest['storage']['offline_hidden_states_tb']:.1f} TB.
 """
+
+
+def _budget_note(manifest: dict) -> str:
+    """The dataset card's line on the train-length budget (empty when the run generated to max_tokens)."""
+    if manifest["config"].get("budget") != "train_length":
+        return ""
+    cut = manifest["counts"].get("truncated_at_train_length", 0)
+    return (f"Generated with a train-length budget: each answer was cut at train_max_length "
+            f"({manifest['config'].get('train_max_length'):,} tokens) minus its prompt's tokens, what the trainer "
+            f"reads. {cut:,} samples end there (column `truncated_at_train_length` in the run's completions; "
+            "finish_reason `length`); they are kept as training text, not counted as truncation failures.\n\n")
 
 
 def _counts(counts: dict | None) -> str:
@@ -193,7 +204,9 @@ def publish_run(run_dir: Path, dest: Path, plan: dict, quality: dict, config: di
     manifest = {
         "name": dest.parent.name, "version": dest.name,
         "counts": {"prompts": plan["rows"], "published": published, "quarantined": quarantined,
-                   "quarantined_by_reason": by_reason},
+                   "quarantined_by_reason": by_reason,
+                   # Param budget train_length: published, cut where the trainer stops reading (not failures).
+                   "truncated_at_train_length": quality.get("truncated_at_train_length", 0)},
         "tokens": {"total": total_tokens, "supervised": sum(r["loss_mask_sum"] for r in summary),
                    "supervised_reasoning": sum(r["reasoning_tokens"] for r in summary),
                    "supervised_answer": sum(r["content_tokens"] for r in summary),

@@ -22,7 +22,7 @@ log = logging.getLogger(__name__)
 
 SUMMARY_COLUMNS = ("sample_id", "n_tokens", "mask_len", "loss_mask_sum", "finish_reason", "content_chars",
                    "reasoning_tokens", "think_marker_leak", "tool_call_expected", "tool_call_present",
-                   "repetition_score", "enable_thinking")
+                   "repetition_score", "enable_thinking", "truncated_at_train_length")
 
 
 @dataclass(frozen=True)
@@ -48,6 +48,8 @@ def row_problem(row: dict, s: QualitySettings) -> str:
     """'' to keep the sample, else the reason it must not be trained on."""
     if row["mask_len"] != row["n_tokens"]:
         return "mask_length_mismatch"
+    if row.get("truncated_at_train_length"):  # cut where the trainer stops reading: its text is still good to train
+        return "degenerate_repetition" if row["repetition_score"] > s.max_repetition else ""
     if row["finish_reason"] == "length":
         return "truncated"
     if row["loss_mask_sum"] <= s.empty_mask_tokens:
@@ -106,8 +108,10 @@ def expectations(s: QualitySettings, expected_rows: int):
         gxe.ExpectColumnPairValuesToBeEqual(column_A="n_tokens", column_B="mask_len"),
         gxe.ExpectColumnValuesToBeBetween(column="loss_mask_sum", min_value=s.empty_mask_tokens + 1, mostly=keep),
         gxe.ExpectColumnValuesToBeInSet(column="has_answer", value_set=[True], mostly=keep),
+        # A cut at the training length (Param budget train_length) is no failure: counted apart in the report.
         gxe.ExpectColumnValuesToNotBeInSet(column="finish_reason", value_set=["length"],
-                                           mostly=1.0 - s.max_truncated_share),
+                                           mostly=1.0 - s.max_truncated_share, condition_parser="pandas",
+                                           row_condition="truncated_at_train_length==False"),
         gxe.ExpectColumnValuesToBeInSet(column="think_marker_leak", value_set=[False], mostly=keep),
         gxe.ExpectColumnValuesToBeBetween(column="repetition_score", max_value=s.max_repetition, mostly=keep),
         gxe.ExpectColumnValuesToBeBetween(column="n_tokens", max_value=s.max_length,
@@ -125,7 +129,10 @@ def run_suite(rows: list[dict], expected_rows: int, s: QualitySettings, docs_dir
     from great_expectations.data_context.types.base import ProgressBarsConfig
 
     frame = pd.DataFrame(rows, columns=list(SUMMARY_COLUMNS))
-    frame["has_answer"] = (frame["content_chars"] > 0) | frame["tool_call_present"].astype(bool)  # a tool call answers
+    frame["truncated_at_train_length"] = frame["truncated_at_train_length"].fillna(False).astype(bool)
+    # A tool call answers; so does text cut at the training length (the trainer reads no further).
+    frame["has_answer"] = (frame["content_chars"] > 0) | frame["tool_call_present"].astype(bool) \
+        | frame["truncated_at_train_length"]
     context = gx.get_context(mode="ephemeral")
     context.variables.progress_bars = ProgressBarsConfig(globally=False)
     context.add_data_docs_site(site_name="quality", site_config={
@@ -193,5 +200,7 @@ def validate_run(run_dir: Path, expected_rows: int, s: QualitySettings, docs_dir
     report.update({"samples": len(rows), "kept": len(kept), "quarantined": len(quarantined),
                    # SpecForge trains these too; they come from the input, not from the model.
                    "input_assistant_turns_after_last_user": sum(bool(r.get("history_from_input")) for r in rows),
-                   "quarantined_by_reason": quarantine_counts(quarantined), "settings": s.__dict__})
+                   "quarantined_by_reason": quarantine_counts(quarantined), "settings": s.__dict__,
+                   # Param budget train_length: kept, marked, and not counted as truncation failures.
+                   "truncated_at_train_length": sum(bool(r.get("truncated_at_train_length")) for r in kept)})
     return report

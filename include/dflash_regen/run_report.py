@@ -619,4 +619,5 @@ def fleet_report(run: Path, airflow_run: dict | None = None, now: float | None =
             "progress": progress(run, shard_rows, state, capacity, now),
             "shards": shard_rows, "shards_listed": listed, "incidents": events,
             "throughput": throughput_series(merged, events),
-            "kv": kv_headroom(health, capacity), "advice": capacity_advice(capacity), "capacity": capacity}
+            "kv": kv_headroom(health, capacity), "advice": capacity_advice(capacity), "capacity": capacity,
+            "autotune": _json(reports / "autotune.json")}

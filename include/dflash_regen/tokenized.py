@@ -32,7 +32,7 @@ SUMMARY_SCHEMA = pa.schema([("sample_id", pa.string()), ("n_tokens", pa.int32())
                             ("content_tokens", pa.int32()), ("think_marker_leak", pa.bool_()),
                             ("tool_call_expected", pa.bool_()), ("tool_call_present", pa.bool_()),
                             ("repetition_score", pa.float32()), ("enable_thinking", pa.bool_()),
-                            ("history_from_input", pa.bool_())])
+                            ("history_from_input", pa.bool_()), ("truncated_at_train_length", pa.bool_())])
 
 
 def outputs(out_dir: Path, shard: int) -> tuple[Path, Path, Path]:
@@ -67,6 +67,7 @@ def tokenize_shard(prompts_path: Path, completions_path: Path, out_dir: Path, sh
             "enable_thinking": bool(row["enable_thinking"]),
             # SpecForge also trains assistant turns after the last user turn; flag when those come from the input.
             "history_from_input": _input_turns_after_last_user(json.loads(prompt["messages"])),
+            "truncated_at_train_length": bool(row.get("truncated_at_train_length")),
         })
         records.append(json.dumps(conversation.specforge_record(row["sample_id"], turns, tools), ensure_ascii=False))
     atomic.write_table(pa.Table.from_pylist(tokenized, schema=TOKENIZED_SCHEMA), tokens_path)

@@ -123,6 +123,31 @@ def test_the_pipelines_argv_parses_with_sglangs_own_parser(judge, version, tmp_p
     assert ("SGLANG_ENABLE_SPEC_V2" in env) == read
 
 
+def test_every_autotune_candidates_argv_parses_with_sglangs_own_parser(judge, version, tmp_path):
+    from dflash_regen import autotune, capacity
+
+    seed_node = capacity.Memory(server="s", kv_tokens=1_140_000, running_slots=16, max_running_requests=48,
+                                mamba_slots=80, mamba_ratio=5, kv_gb=34.8, mamba_gb=30.9, reserve_gb=27.9)
+    candidates = autotune.default_candidates(seed_node, 2400)
+    # The seed's node: Mamba state, not KV, fills the memory: 5 slots and MTP's draft state per request leave room
+    # for 32; without MTP's reserve 40; with 1 slot per request (radix cache off) 64, the most tried (4x).
+    assert [c.name for c in candidates] == ["current", "mamba pool x2", "radix cache off at 64", "MTP off at 40",
+                                            "FP8 KV cache at 32"]
+    for cand in candidates:
+        cfg = RunConfig.from_params(params(tmp_path, version, f"{sys.executable} -m sglang.launch_server",
+                                           cand.flags), "argv")
+        [server] = fleet.plan_servers(cfg.fleet, tmp_path / "model", tmp_path, "key", sglang.Dialect(version))
+        parsed = judge.ask("parse_argv", argv=server.argv[3:])
+        assert parsed["exit"] == 0, (cand.name, parsed["stderr"])
+        args = parsed["args"]
+        if "MTP off" in cand.name:
+            assert args["speculative_algorithm"] is None
+        if cand.name.startswith("radix cache off"):
+            assert args["disable_radix_cache"] is True and args["max_running_requests"] == 64
+        if cand.name.startswith("FP8 KV cache"):
+            assert args["kv_cache_dtype"] == "fp8_e4m3"
+
+
 def test_the_argv_check_fails_on_a_flag_the_version_lacks(judge, version, tmp_path):
     other = "--mamba-radix-cache-strategy" if version == sglang.OLDEST else "--mamba-scheduler-strategy"
     argv = ["--model-path", str(tmp_path), other, "extra_buffer"]

@@ -11,7 +11,7 @@ from dflash_regen.config import RunConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 
-EXPECTED_TASKS = {"stage_weights", "launch_fleet", "health_check", "smoke_test", "plan_shards", "calibrate",
+EXPECTED_TASKS = {"stage_weights", "launch_fleet", "health_check", "smoke_test", "plan_shards", "autotune", "calibrate",
                   "generate", "tokenize", "validate", "publish", "stop_fleet", "check_published"}
 
 
@@ -39,13 +39,16 @@ def test_expected_tasks_in_pipeline_order_without_cycles(dag):
     # calibrate measures a checked server with the run's own shards, before any shard is generated
     assert max(order.index("smoke_test"), order.index("plan_shards")) < order.index("calibrate") \
         < order.index("generate")
+    # autotune tries settings on a gated fleet and hands calibrate the fleet it chose
+    assert max(order.index("smoke_test"), order.index("plan_shards")) < order.index("autotune") \
+        < order.index("calibrate")
     assert order.index("generate") < order.index("tokenize") < order.index("validate") < order.index("publish")
 
 
 def test_clearing_one_shard_reruns_the_fleet_setups_and_teardown_but_not_planning(dag):
     generate = dag.get_task("generate")
     relatives = {t.task_id for t in generate.get_upstreams_only_setups_and_teardowns()}
-    assert relatives == {"launch_fleet", "health_check", "smoke_test", "calibrate", "stop_fleet"}
+    assert relatives == {"launch_fleet", "health_check", "smoke_test", "autotune", "calibrate", "stop_fleet"}
     assert generate.map_index_template == "{{ shard.label }}"
     assert generate.retries >= 2 and generate.retry_exponential_backoff == 2.0
 
@@ -53,7 +56,7 @@ def test_clearing_one_shard_reruns_the_fleet_setups_and_teardown_but_not_plannin
 def test_fleet_gates_are_setup_tasks_and_stop_is_the_teardown(dag):
     """Clearing a later task re-runs setups, not ordinary upstream tasks: the gates must be setups."""
     tasks = {t.task_id: t for t in dag.tasks}
-    assert all(tasks[t].is_setup for t in ("launch_fleet", "health_check", "smoke_test", "calibrate"))
+    assert all(tasks[t].is_setup for t in ("launch_fleet", "health_check", "smoke_test", "autotune", "calibrate"))
     assert not tasks["stage_weights"].is_setup
     stop = tasks["stop_fleet"]
     assert stop.is_teardown
@@ -70,7 +73,7 @@ def test_policy_no_catchup_single_active_run_gates_not_retried(dag):
     assert dag.catchup is False and dag.schedule is None and dag.max_active_runs == 1
     tasks = {t.task_id: t for t in dag.tasks}
     assert tasks["launch_fleet"].retries >= 1
-    for gate in ("health_check", "smoke_test", "validate"):  # a retry cannot fix a failed gate
+    for gate in ("health_check", "smoke_test", "autotune", "validate"):  # a retry cannot fix a failed gate
         assert tasks[gate].retries == 0
 
 

@@ -23,10 +23,12 @@ def assert_ran_in_versions_mode(run_dir: Path, version: str) -> None:
 
 def test_demo_dag_runs_green_on_seven_emulated_servers(dag, run_params, no_leftover_servers):
     # In the newest supported SGLang's mode (the oldest's: the next test; the default's: every other test).
-    conf = run_params(7, shard_size=20, emulator_profile={**FAST_PROFILE, "sglang_version": sglang.NEWEST_CHECKED})
+    # autotune advises within a 10 s budget: the current settings and a candidate or two, then a relaunched fleet.
+    conf = run_params(7, shard_size=20, emulator_profile={**FAST_PROFILE, "sglang_version": sglang.NEWEST_CHECKED},
+                      autotune="advise", autotune_candidate_s=2.0, autotune_budget_s=10.0)
     dag_run = dag.test(run_conf=conf)
     assert states(dag_run) == {t: "success" for t in ("stage_weights", "launch_fleet", "health_check", "smoke_test",
-                                                       "plan_shards", "calibrate", "generate", "tokenize",
+                                                       "plan_shards", "autotune", "calibrate", "generate", "tokenize",
                                                        "validate", "publish", "stop_fleet", "check_published")}
     assert dag_run.state == "success"
     labels = sorted(ti.rendered_map_index for ti in dag_run.get_task_instances() if ti.task_id == "generate")
@@ -38,6 +40,10 @@ def test_demo_dag_runs_green_on_seven_emulated_servers(dag, run_params, no_lefto
     failed = sum(pq.read_metadata(p).num_rows for p in (run_dir / "failures").glob("shard-*.parquet"))
     assert plan["rows"] == plan["accepted"] + plan["quarantined"] == 122
     assert plan["quarantined_by_reason"] == {"duplicate_id": 1, "bad_role": 1}
+    tuned = json.loads((run_dir / "reports" / "autotune.json").read_text())
+    assert tuned["mode"] == "advise" and tuned["candidates"][0]["candidate"] == "current"
+    assert "wall_s" in tuned["candidates"][0] and tuned["relaunch_s"] > 0  # measured, then the fleet came back
+    assert any("over the total budget" in r.get("skipped", "") for r in tuned["candidates"])
     assert plan["formats"] == {"openai": 120} and plan["repairs"]["type_name"] == 72  # Python-style tool schemas
     assert len(completions) == len(set(completions)) and len(completions) + failed == plan["accepted"]
     health = json.loads((run_dir / "reports" / "health.json").read_text())

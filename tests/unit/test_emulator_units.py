@@ -7,7 +7,8 @@ import statistics
 import pytest
 
 from dflash_regen.emulator import allocation, cli, model, parsers
-from dflash_regen.emulator.faults import EmulatorConfigError, Faults, Profile, load_faults, load_profile
+from dflash_regen.emulator.faults import PRESETS, EmulatorConfigError, Faults, Profile, load_faults, load_profile
+from dflash_regen.emulator.scheduler import Pace
 from dflash_regen.emulator.versions import Forms
 
 COOKBOOK = ["--reasoning-parser", "qwen3", "--tool-call-parser", "qwen3_coder", "--speculative-algorithm", "EAGLE",
@@ -288,7 +289,7 @@ def test_per_request_decode_rate_falls_with_the_batch_and_the_aggregate_saturate
 
 def test_a_preset_profile_loads_and_other_keys_override_it():
     profile = load_profile({"DFLASH_EMU_PROFILE": '{"preset": "qwen3.6-27b-b200-mtp", "startup_s": 0.1}'})
-    assert profile.saturation_tokens_per_s == 2000 and profile.decode_tokens_per_s == 300
+    assert profile.saturation_tokens_per_s == 2414 and profile.decode_tokens_per_s == 218
     assert profile.startup_s == 0.1 and profile.preset == "qwen3.6-27b-b200-mtp"
     with pytest.raises(EmulatorConfigError, match="known presets are qwen3.6-27b-b200-mtp"):
         load_profile({"DFLASH_EMU_PROFILE": '{"preset": "a100"}'})
@@ -328,3 +329,48 @@ def test_the_emulated_model_answers_any_prompt_text():
                                  {"role": "tool", "content": text}]
         assert model.generate(model.ModelInput(messages=after_tool, tools=[TOOL]), Profile(), limit=500).token_ids
         model.render_prompt(messages, tools, True)
+
+
+def test_the_b200_preset_reproduces_the_published_figures_it_is_built_from():
+    profile = Profile(**PRESETS["qwen3.6-27b-b200-mtp"])
+    decode, saturation = profile.decode_curve(speculative=True)
+    pace = Pace(decode_tokens_per_s=decode, prefill_tokens_per_s=1, num_draft_tokens=4, accept_length=3.1,
+                saturation_tokens_per_s=saturation)
+    assert pace.per_request_rate(1) == pytest.approx(218)  # one request alone (cookbook, B200 BF16 MTP)
+    assert 1 / pace.per_request_rate(16) == pytest.approx(0.0108, rel=0.01)  # the cookbook's c16 TPOT
+
+
+def test_mtp_gains_at_small_batch_and_costs_at_large_batch():
+    profile = Profile(**PRESETS["qwen3.6-27b-b200-mtp"])
+
+    def aggregate(batch, speculative):
+        decode, saturation = profile.decode_curve(speculative)
+        return batch / (1 / decode + (batch - 1) / saturation)
+
+    # Alone, MTP's 3.1 accepted tokens per step (less the draft head's and the verification's cost) pay ~2.8x ...
+    assert 2.5 < aggregate(1, True) / aggregate(1, False) < 3.1 / 1.05
+    # ... compute-bound, verifying 4 tokens to keep 3.1 makes it slower: the ceilings differ by 4/3.1.
+    assert profile.decode_curve(False)[1] / profile.decode_curve(True)[1] == pytest.approx(4 / 3.1)
+    crossover = next(b for b in range(1, 1024) if aggregate(b, False) > aggregate(b, True))
+    assert 64 < crossover < 160
+    explicit = Profile(**{**PRESETS["qwen3.6-27b-b200-mtp"], "no_mtp_decode_tokens_per_s": 50,
+                          "no_mtp_saturation_tokens_per_s": 900})
+    assert explicit.decode_curve(False) == (50, 900)
+
+
+def test_mamba_slots_per_request_by_radix_strategy_and_fp8_kv_room():
+    ratio = allocation.mamba_ratio
+    assert ratio(disable_radix_cache=False, extra_buffer=True, overlap_schedule=True) == 5
+    assert ratio(disable_radix_cache=False, extra_buffer=True, overlap_schedule=True, lazy=True) == 4
+    assert ratio(disable_radix_cache=False, extra_buffer=False, overlap_schedule=False) == 3
+    assert ratio(disable_radix_cache=True, extra_buffer=False, overlap_schedule=True) == 1
+    base = dict(mem_fraction_static=0.8, speculative=True, speculative_num_draft_tokens=4, max_running_requests=48,
+                max_mamba_cache_size=None, max_total_tokens=None, disable_radix_cache=False, extra_buffer=True,
+                overlap_schedule=True, context_len=262144)
+    bf16 = allocation.compute(allocation.AllocationInputs(**base))
+    fp8 = allocation.compute(allocation.AllocationInputs(**base, kv_cache_dtype="fp8_e4m3"))
+    assert (bf16.mamba_slots, bf16.effective_max_running_requests) == (80, 16)  # the seed's node
+    assert fp8.max_total_num_tokens == pytest.approx(2 * bf16.max_total_num_tokens, rel=0.001)
+    assert fp8.kv_cache_gb == pytest.approx(bf16.kv_cache_gb, rel=0.001)  # same memory, twice the tokens
+    lazy = allocation.compute(allocation.AllocationInputs(**base, extra_buffer_lazy=True))
+    assert lazy.effective_max_running_requests == 80 // 4

@@ -292,3 +292,31 @@ def test_histogram_keeps_the_6_token_spike_in_its_own_bin():
 def test_time_series_escapes_names_and_draws_one_line_per_server():
     svg = charts.time_series({"<a>": [1, 2, 3], "b": [3, 2, 1]}, bin_s=5, x_title="t", y_title="tok/s")
     assert svg.count("<polyline") == 2 and "<a>" not in svg and "&lt;a&gt;" in svg
+
+
+def test_fleet_page_shows_the_autotune_table_and_the_train_length_budget(client, root):
+    from dflash_regen import autotune
+
+    reports = root / "runs" / FOLDER / "reports"
+    row = {"wall_s_interval": [140_000.0, 150_000.0], "gpu_hours": 280.0, "gpu_hours_interval": [270.0, 290.0]}
+    autotune.write_report(reports, {
+        "tuning_s": 1_080.0, "candidate_s": 180.0, "budget_s": 1800.0, "sample_prompts": 128,
+        "run": {"prompts": 902_087, "servers": 7}, "chosen": "mamba pool x2", "mode": "advise",
+        "chosen_flags": "--max-mamba-cache-size 160 --max-running-requests 32", "action": "fleet relaunched as it was",
+        "candidates": [
+            {"candidate": "current", "flags": "", "running": 16, "tok_s": 1469.0, "wall_s": 160_000.0,
+             "wall_with_tuning_s": 161_080.0, "chosen": False, **row},
+            {"candidate": "mamba pool x2", "flags": "--max-mamba-cache-size 160 --max-running-requests 32",
+             "running": 32, "tok_s": 1836.0, "wall_s": 139_000.0, "wall_with_tuning_s": 140_080.0, "chosen": True,
+             **row},
+            {"candidate": "FP8 KV cache", "flags": "--kv-cache-dtype fp8_e4m3", "running_slots": 16,
+             "skipped": "fails smoke: no parsed tool call", "chosen": False}]})
+    capacity_report = json.loads((reports / "capacity.json").read_text())
+    capacity_report["budget"] = {"train_max_length": 4096, "tokens_past_share": 0.062, "saving_share": 0.071,
+                                 "samples_cut_share": 0.09, "reasoning_only_share": 0.021}
+    (reports / "capacity.json").write_text(json.dumps(capacity_report))
+    html = client.get(f"/runs/{RUN}/fleet").text
+    assert 'id="autotune"' in html and "Chosen: <b>mamba pool x2</b>" in html
+    assert "skipped: fails smoke: no parsed tool call" in html and "1,836" in html
+    assert "6.2% of the output tokens lie past it" in html and "save 7.1%" in html
+    assert "2.1% left reasoning-only" in html

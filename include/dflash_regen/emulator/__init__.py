@@ -7,7 +7,11 @@ response fields (`versions.Forms` lists the differences; `tests/contract/` check
 A separate HTTP server process, launched by the same code (argv + env) as real SGLang, so the demo and the
 tests run the whole pipeline without a GPU. It accepts SGLang's launch flags (argparse exit 2 on unknown
 flags or bad choices; SGLang's ValueErrors as a traceback and exit 1), prints SGLang's startup log lines,
-sizes KV tokens / Mamba slots / running requests with SGLang's arithmetic on an emulated B200, and serves
+sizes KV tokens / Mamba slots / running requests with SGLang's arithmetic on an emulated B200 (Mamba slots per
+running request by `--mamba-radix-cache-strategy`: extra_buffer 5, extra_buffer_lazy 4, no_buffer 3, radix cache
+off 1; MTP's draft state reserved per `--max-running-requests`; the pool from `--max-mamba-cache-size` or
+`--mamba-full-memory-ratio`; `--kv-cache-dtype fp8_*` halves the bytes per KV token), decodes at a speed that
+depends on the batch and on MTP (`faults.PRESETS` cites the published figures behind each number), and serves
 SGLang's endpoints and JSON shapes: /health, /health_generate, /ping, /model_info, /server_info,
 /v1/models, /metrics (with --enable-metrics) and /v1/chat/completions (streaming or not), with API-key
 auth and SGLang's flat error bodies. Answers come from an emulated thinking model (reasoning, then
@@ -60,7 +64,8 @@ request is still a 400).
 
 `DFLASH_EMU_PROFILE`: JSON object of model/speed knobs (defaults in parentheses):
 - `preset` (none): start from a named profile fitted to SGLang's published Qwen3.6-27B figures (MTP on):
-  `qwen3.6-27b-b200-mtp` or `qwen3.6-27b-h200-mtp` (values in `faults.PRESETS`); other keys override it.
+  `qwen3.6-27b-b200-mtp` or `qwen3.6-27b-h200-mtp`, or `synthetic-known-optimum` (tests: autotune's best default
+  candidate is known); values and the figures they come from in `faults.PRESETS`; other keys override it.
 - `decode_tokens_per_s` (150): decode speed of a request running alone (tests use ~20000).
 - `saturation_tokens_per_s` (0 = none): the GPU's aggregate decode ceiling. With it, each of b running requests
   decodes at 1 / (1/decode_tokens_per_s + (b-1)/saturation_tokens_per_s) tok/s, so the per-request rate
@@ -71,6 +76,11 @@ request is still a 400).
 - `min_reasoning_tokens` (600): reasoning floor (capped at half the mean reasoning length).
 - `max_output_tokens` (6000): natural answers are clipped here, so max_tokens >= 8192 always finishes.
 - `accept_length` (3.1): mean tokens per MTP step with speculative decoding (1 without).
+- `no_mtp_decode_tokens_per_s`, `no_mtp_saturation_tokens_per_s` (0 = derived): the two rates of a server launched
+  without speculative decoding. The rates above are MTP-on ones; by default the MTP-off curve follows from them
+  by a decode-step model (`Profile.decode_curve`): MTP keeps `accept_length` of 4 verified tokens per step, so it
+  wins alone and loses once the GPU is compute-bound.
+- `mtp_draft_overhead` (0.05): the draft head's share of a step's fixed cost (used by that derivation).
 - `gpu_memory_gb` (183): the emulated GPU's memory.
 - `startup_s` (0.3): simulated load/capture time before the HTTP front comes up.
 - `sglang_version` (`versions.DEFAULT_VERSION`): the SGLang version to emulate (0.5.10 or later).

@@ -87,13 +87,14 @@ def main(argv: list[str] | None = None) -> int:
     from dflash_regen.emulator.scheduler import Limits, Pace, Scheduler
     from dflash_regen.emulator.server import Emulator, serve
 
+    decode, saturation = profile.decode_curve(args.speculative)  # the profile's rates are MTP-on ones
     scheduler = Scheduler(
         Limits(max_running_requests=alloc.effective_max_running_requests,
                max_queued_requests=args.max_queued_requests, max_total_num_tokens=alloc.max_total_num_tokens,
                mamba_slots=alloc.mamba_slots, mamba_ratio=alloc.mamba_ratio, hybrid=model_config.hybrid),
-        Pace(decode_tokens_per_s=profile.decode_tokens_per_s, prefill_tokens_per_s=profile.prefill_tokens_per_s,
+        Pace(decode_tokens_per_s=decode, prefill_tokens_per_s=profile.prefill_tokens_per_s,
              num_draft_tokens=args.speculative_num_draft_tokens if args.speculative else None,
-             accept_length=profile.accept_length, saturation_tokens_per_s=profile.saturation_tokens_per_s,
+             accept_length=profile.accept_length, saturation_tokens_per_s=saturation,
              decode_log_every_s=2.0 * max(args.decode_log_interval, 1) / 40),
         seed=sum(gpu.encode()))
     emu = Emulator(args=args, launch_args=launch_args, forms=forms, model=model_config, alloc=alloc, faults=faults,

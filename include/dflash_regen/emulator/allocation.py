@@ -29,7 +29,10 @@ DEFAULT_GPU_MEMORY_GB = 183.0  # B200 as SGLang reports it
 TORCH_CONTEXT_GB = 0.76  # CUDA context + NCCL before the weights load
 TARGET_WEIGHTS_GB = 52.02  # Qwen3_5ForConditionalGeneration, BF16, vision tower included
 DRAFT_WEIGHTS_GB = 0.86  # the MTP head (Qwen3_5ForCausalLMMTP), loaded after the target's memory pool
-KV_BYTES_PER_TOKEN = 32768  # K + V over the full-attention layers: the seed's 35 GB for 1.14M tokens
+KV_BYTES_PER_TOKEN = 32768  # K + V over the full-attention layers, BF16: the seed's 35 GB for 1.14M tokens
+# Bytes per KV element relative to BF16 (`--kv-cache-dtype`): FP8 halves the pool's bytes per token, so the same
+# memory holds twice the tokens (SGLang sizes the pool by `cell_size`, which scales with the dtype's size).
+KV_DTYPE_SCALE = {"auto": 1.0, "bf16": 1.0, "bfloat16": 1.0, "fp8_e4m3": 0.5, "fp8_e5m2": 0.5, "fp4_e2m1": 0.25}
 MAMBA_CONV_GB_PER_SLOT = 0.0200
 MAMBA_SSM_GB_PER_SLOT = 0.3668
 MAMBA_INTERMEDIATE_SSM_GB = 0.1406  # one SSM state (48 layers x 48 heads x 128 x 128 fp32) per draft token
@@ -49,13 +52,18 @@ def auto_mem_fraction_static(gpu_memory_gb: float, speculative: bool) -> float:
     return round((gpu_memory_gb - reserved) / gpu_memory_gb, 3)
 
 
-def mamba_ratio(*, disable_radix_cache: bool, extra_buffer: bool, overlap_schedule: bool) -> int:
-    """How many Mamba slots one running request needs (slots // ratio caps running requests)."""
+def mamba_ratio(*, disable_radix_cache: bool, extra_buffer: bool, overlap_schedule: bool, lazy: bool = False) -> int:
+    """How many Mamba slots one running request needs (slots // ratio caps running requests).
+
+    SGLang's `_calculate_mamba_ratio` + `get_mamba_tracking_slots`: radix cache off 1; else 3, plus the
+    tracking slots of `extra_buffer` (2 with overlap scheduling, 1 without) or `extra_buffer_lazy` (1: the
+    second slot is deferred). So extra_buffer 5 > extra_buffer_lazy 4 > no_buffer 3 > radix cache off 1.
+    """
     if disable_radix_cache:
         return 1
     ratio = MAMBA_CACHE_SIZE_MAX_RUNNING_REQUESTS_RATIO
     if extra_buffer:
-        ratio += (MAMBA_CACHE_V2_ADDITIONAL_RATIO_OVERLAP if overlap_schedule
+        ratio += (1 if lazy else MAMBA_CACHE_V2_ADDITIONAL_RATIO_OVERLAP if overlap_schedule
                   else MAMBA_CACHE_V2_ADDITIONAL_RATIO_NO_OVERLAP)
     return ratio
 
@@ -83,6 +91,8 @@ class AllocationInputs:
     dp_size: int = 1
     hybrid: bool = True  # a Mamba-hybrid architecture (Qwen3.5/3.6); False = plain attention model
     gpu_memory_gb: float = DEFAULT_GPU_MEMORY_GB
+    kv_cache_dtype: str = "auto"
+    extra_buffer_lazy: bool = False
 
 
 @dataclass(frozen=True)
@@ -159,9 +169,10 @@ def compute(inputs: AllocationInputs, *, mamba_full_memory_ratio: float = MAMBA_
         ssm_gb = slots * MAMBA_SSM_GB_PER_SLOT
         rest -= conv_gb + ssm_gb
         ratio = mamba_ratio(disable_radix_cache=inputs.disable_radix_cache, extra_buffer=inputs.extra_buffer,
-                            overlap_schedule=inputs.overlap_schedule)
+                            overlap_schedule=inputs.overlap_schedule, lazy=inputs.extra_buffer_lazy)
 
-    profiled = max(int(rest * GIB) // KV_BYTES_PER_TOKEN, 0)
+    bytes_per_token = KV_BYTES_PER_TOKEN * KV_DTYPE_SCALE.get(inputs.kv_cache_dtype, 1.0)
+    profiled = max(int(int(rest * GIB) // bytes_per_token), 0)
     tokens = profiled
     if inputs.max_total_tokens is not None:
         if inputs.max_total_tokens > profiled:
@@ -175,7 +186,7 @@ def compute(inputs: AllocationInputs, *, mamba_full_memory_ratio: float = MAMBA_
     if tokens <= 0:
         raise RuntimeError("Not enough memory. Please try to increase --mem-fraction-static. "
                            f"Current value: self.server_args.mem_fraction_static={inputs.mem_fraction_static}")
-    kv_gb = tokens * KV_BYTES_PER_TOKEN / GIB
+    kv_gb = tokens * bytes_per_token / GIB
 
     estimated = estimated_max_num_reqs(tokens, inputs.context_len)
     if inputs.max_running_requests is None:

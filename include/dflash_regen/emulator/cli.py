@@ -345,6 +345,8 @@ def allocation_inputs(args: ServerArgs, model: ModelConfig, gpu_memory_gb: float
         dp_size=args.dp_size,
         hybrid=model.hybrid,
         gpu_memory_gb=gpu_memory_gb,
+        kv_cache_dtype=args.kv_cache_dtype,
+        extra_buffer_lazy=args.mamba_scheduler_strategy == "extra_buffer_lazy",
     )
 
 

@@ -43,6 +43,9 @@ class Faults:
         return ", ".join(f"{k}={v!r}" for k, v in active.items()) or "none"
 
 
+MTP_DRAFT_TOKENS = 4  # the cookbook's EAGLE 3/1/4: the published MTP figures were measured with it
+
+
 @dataclass(frozen=True)
 class Profile:
     """Speed and output-length knobs of the emulated model."""
@@ -55,32 +58,76 @@ class Profile:
     min_reasoning_tokens: int = 600
     max_output_tokens: int = 6000  # natural answers are clipped here (a loop is not)
     accept_length: float = 3.1  # mean tokens per MTP step (1 without speculative decoding)
+    # The two decode rates above are the server's with MTP on (the cookbook launch). Without speculative decoding
+    # the curve is derived from them by the step model in `decode_curve`, unless these say otherwise (0 = derive).
+    no_mtp_decode_tokens_per_s: float = 0.0
+    no_mtp_saturation_tokens_per_s: float = 0.0
+    mtp_draft_overhead: float = 0.05  # the draft head's share of a decode step's fixed cost (its 3 steps)
     gpu_memory_gb: float = 183.0
     startup_s: float = 0.3  # simulated load + graph-capture time before the HTTP front comes up
     preset: str | None = None  # the named profile these values started from (PRESETS), if any
     sglang_version: str | None = None  # the SGLang version to emulate (versions.DEFAULT_VERSION when unset)
 
+    def decode_curve(self, speculative: bool, num_draft_tokens: int = MTP_DRAFT_TOKENS) -> tuple[float, float]:
+        """(tok/s of one request alone, aggregate ceiling) of a server with or without MTP.
 
-# Profiles fitted to SGLang's published Qwen3.6-27B figures (cookbook `qwen3.6-benchmarks.jsx`, TP=1, BF16, MTP
-# on, isl 8192 / osl 1024; notes/peers-and-pain-points.md §4). Per-request decode time grows linearly with the
-# batch, t(b) = 1/decode + (b - 1)/saturation, so the two rates are fitted to two TPOTs:
-# - B200 c16: TPOT 10.8 ms. B200 c1 is not published: H200's c1 TPOT (5.6 ms) scaled by HBM bandwidth
-#   (4.8 -> 8 TB/s) gives 3.4 ms, i.e. ~300 tok/s alone; then 16 / 10.8 ms = 1,481 tok/s at c16 and a ceiling of
-#   ~2,000 tok/s, in line with the maintainers' "saturates by ~conc 16; high-throughput is ~+20% over c16".
-# - H200 c1 / c16: TPOT 5.6 / 17.3 ms -> 178 tok/s alone, ceiling ~1,280 tok/s.
+        A decode step costs a fixed part W (reading the weights once for the whole batch; with MTP also the
+        draft head) and a part per request C for each token it verifies. With MTP a step verifies
+        `num_draft_tokens` tokens per request and keeps `accept_length` of them, so per output token
+        tpot(b) = (W_mtp + n*C*b) / A; without it a step verifies and keeps one: tpot(b) = W + C*b, where
+        W = W_mtp / (1 + mtp_draft_overhead). Fitting tpot_mtp(b) = 1/decode + (b-1)/saturation gives
+        C = A / (n * saturation) and W_mtp = A/decode - A/saturation. MTP then wins by ~A/(1+overhead) alone and
+        loses n/A (verifying 4 to keep 3.1) once the GPU is compute-bound: SGLang's high-throughput recipes turn
+        it off at large batch.
+        """
+        if speculative:
+            return self.decode_tokens_per_s, self.saturation_tokens_per_s
+        a, n = self.accept_length, max(num_draft_tokens, 1)
+        per_request = a / (n * self.saturation_tokens_per_s) if self.saturation_tokens_per_s else 0.0
+        fixed_mtp = a / self.decode_tokens_per_s - (a / self.saturation_tokens_per_s if per_request else 0.0)
+        fixed = max(fixed_mtp, 1e-9) / (1 + self.mtp_draft_overhead)
+        decode = self.no_mtp_decode_tokens_per_s or 1.0 / (fixed + per_request)
+        saturation = self.no_mtp_saturation_tokens_per_s or (1.0 / per_request if per_request else 0.0)
+        return decode, saturation
+
+
+# Profiles fitted to published Qwen3.6-27B figures (MTP on, TP=1, BF16 weights and KV; notes/peers-and-pain-points.md
+# §4 and issue 18). Per-request decode time grows linearly with the batch, t(b) = 1/decode + (b - 1)/saturation, so
+# the two rates are fitted to two points:
+# - B200: one request alone ~218 output tok/s (SGLang's Qwen3.6 cookbook benchmark, as cited in issue 18) and the
+#   cookbook's c16 TPOT of 10.8 ms (`qwen3.6-benchmarks.jsx`, sglang PR #32959): 15 / (10.8 ms - 1/218) gives an
+#   MTP-on ceiling of ~2,400 tok/s, 1,481 tok/s at 16 running (the cookbook's ~1,240 at isl 8192 includes prefill),
+#   in line with the maintainers' "saturates by ~conc 16; high-throughput is ~+20% over c16".
+# - H200: c1 / c16 TPOT 5.6 / 17.3 ms (same file) -> 178 tok/s alone, ceiling ~1,280 tok/s.
+# Without MTP the curve follows from `Profile.decode_curve` with accept length 3.1 of 4 (MTP's acceptance on
+# Qwen3.6, issue 18) and a 5% draft-head overhead (0.86 GB of MTP head run 3 times vs 52 GB of weights, the
+# emulator's allocation constants): B200 ~79 tok/s alone, ceiling ~3,100 tok/s, so MTP pays up to ~100 running
+# requests and costs above (no published MTP-off decode figure exists for this model; the cookbook's MTP-off
+# c1024 point, ~1,350 output tok/s at isl 8192, is prefill-bound and only bounds it from below).
+# Radix cache off needs 1 Mamba slot per request instead of 5, so the same memory runs ~3x the batch; sglang PR #27220
+# measured 1,977 vs 1,528 output tok/s (1.29x) with it off; the model reproduces that order through the batch alone
+# (48 vs 16 running: 1,990 vs 1,481 tok/s, 1.34x), adding no speed factor of its own.
+# FP8 KV cache (`--kv-cache-dtype fp8_e4m3`) halves the bytes per KV token (allocation.KV_DTYPE_SCALE): room, not
+# speed (the cookbook's FP8 figures, ~1,600 vs ~1,240 at c16, are FP8 *weights*, which this pipeline does not change).
 # Prefill is an effective rate: it makes the published c16 output throughput (~1,240 tok/s on B200 at isl 8192,
 # below the 1,481 of pure decode) come out of the same curve; with ~600-token prompts it hardly matters.
 PRESETS: dict[str, dict] = {
-    "qwen3.6-27b-b200-mtp": {"decode_tokens_per_s": 300.0, "saturation_tokens_per_s": 2000.0,
+    "qwen3.6-27b-b200-mtp": {"decode_tokens_per_s": 218.0, "saturation_tokens_per_s": 2414.0,
                              "prefill_tokens_per_s": 60000.0, "accept_length": 3.1, "gpu_memory_gb": 183.0},
     "qwen3.6-27b-h200-mtp": {"decode_tokens_per_s": 178.0, "saturation_tokens_per_s": 1280.0,
                              "prefill_tokens_per_s": 30000.0, "accept_length": 3.1, "gpu_memory_gb": 141.0},
+    # For tests: not a GPU but curves with a known best setting among autotune's default candidates. MTP pays 1.6x
+    # alone and loses at 16 running (its ceiling is a tenth of the plain one's), so MTP off at the largest batch wins.
+    "synthetic-known-optimum": {"decode_tokens_per_s": 400.0, "saturation_tokens_per_s": 4000.0,
+                                "no_mtp_decode_tokens_per_s": 200.0, "no_mtp_saturation_tokens_per_s": 40000.0,
+                                "prefill_tokens_per_s": 200000.0, "mean_output_tokens": 100.0,
+                                "min_reasoning_tokens": 30, "startup_s": 0.1},
 }
 
 
 _RATES = {"http_error_rate", "hang_rate", "loop_rate", "reasoning_share"}
 _POSITIVE = {"decode_tokens_per_s", "prefill_tokens_per_s", "mean_output_tokens", "gpu_memory_gb",
-             "accept_length", "max_output_tokens"}
+             "accept_length", "max_output_tokens"}  # the no_mtp_* rates may be 0 (= derived)
 
 
 def _check_value(var: str, where: str, name: str, value, field_type: str):
