@@ -7,10 +7,10 @@ from pathlib import Path
 from airflow.dag_processing.dagbag import DagBag
 
 DAGS = Path(__file__).resolve().parents[2] / "dags"
-ONE_NODE_TASKS = {"stage_weights", "launch_fleet", "health_check", "smoke_test", "plan_shards", "calibrate",
+ONE_NODE_TASKS = {"stage_weights", "launch_fleet", "health_check", "smoke_test", "plan_shards", "autotune", "calibrate",
                   "generate", "tokenize", "validate", "publish", "stop_fleet", "check_published"}
-PER_NODE = {"stage_weights", "launch_fleet", "health_check", "smoke_test", "calibrate", "node_ready", "node_shards",
-            "generate", "tokenize", "stop_fleet"}
+PER_NODE = {"stage_weights", "launch_fleet", "health_check", "smoke_test", "autotune", "calibrate", "node_ready",
+            "node_shards", "generate", "tokenize", "stop_fleet"}
 NODES = [{"name": "rtx", "queue": "gpu-node-1", "gpus": "0,1,2,3"}, {"name": "b200", "queue": "gpu-node-2"}]
 
 
@@ -39,7 +39,7 @@ def test_each_node_gets_its_group_on_its_queue_and_the_run_wide_tasks_run_once(m
         for name in PER_NODE - {"node_shards"}:  # node_shards only reads the assignment: any worker
             assert dag.task_dict[f"{node['name']}.{name}"].queue == node["queue"], name
         setups = {t for t in PER_NODE if dag.task_dict[f"{node['name']}.{t}"].is_setup}
-        assert setups == {"launch_fleet", "health_check", "smoke_test", "calibrate"}
+        assert setups == {"launch_fleet", "health_check", "smoke_test", "autotune", "calibrate"}
     assert dag.params["node_failure"] == "fail"
 
 
@@ -49,8 +49,8 @@ def test_clearing_a_shard_reruns_only_its_own_nodes_setups_and_teardown(monkeypa
     dag = parse(monkeypatch, NODES)
     for node in ("rtx", "b200"):
         cleared = {t.task_id for t in dag.task_dict[f"{node}.generate"].get_upstreams_only_setups_and_teardowns()}
-        assert cleared == {f"{node}.{t}" for t in ("launch_fleet", "health_check", "smoke_test", "calibrate",
-                                                    "stop_fleet")}
+        assert cleared == {f"{node}.{t}" for t in ("launch_fleet", "health_check", "smoke_test", "autotune",
+                                                    "calibrate", "stop_fleet")}
 
 
 def test_one_node_left_out_does_not_stop_the_others(monkeypatch):
