@@ -119,7 +119,7 @@ def run_params(tmp_path):
             "output_root": str(tmp_path / "out"),
             "emulator_profile": dict(FAST_PROFILE),
             "emulator_faults": {},
-            "autotune": "off",  # tries ~6 server settings; tests/integration/test_autotune.py covers it
+            "autotune": "off",  # tries ~6 server settings; tests/integration/test_autotune_on_fleet.py covers it
         }
         params.update(overrides)
         return params

@@ -31,7 +31,7 @@ PROFILE = {"mean_output_tokens": 300, "min_reasoning_tokens": 50, "startup_s": 0
 RATES = {"fast": 450, "slow": 150}
 CONF = {"shard_size": 30, "calibration_prompts": 8, "server_flags": "--max-running-requests 4",
         "min_running_requests": 4, "checkpoint_every": 2, "ready_timeout_s": 60, "node_failure": "fail",
-        "autotune": "off"}  # tuning is tests/integration/test_autotune.py's (and e2e's); here it would only cost time
+        "autotune": "off"}  # tuned in test_autotune_on_fleet.py and e2e; here only a cost
 
 
 def start_redis(folder: Path) -> tuple[subprocess.Popen, int]:

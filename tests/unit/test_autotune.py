@@ -1,4 +1,4 @@
-"""Autotune's candidates and choice, without servers (the measured path: tests/integration/test_autotune.py)."""
+"""Autotune's candidates and choice, without servers (measured: tests/integration/test_autotune_on_fleet.py)."""
 
 import pytest
 
