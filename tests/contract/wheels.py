@@ -31,8 +31,9 @@ def unpacked_wheel(version: str) -> Path:
         wheels = CACHE / "wheels"
         found = sorted(wheels.glob(f"sglang-{version}-*.whl"))
         if not found:
-            # pip itself: the project venv is built by uv without pip; the system python3 has it (setup.sh).
-            python = shutil.which("python3") or sys.executable
+            # pip itself: the project venv is built by uv without pip; the interpreter it was made from has
+            # pip (setup.sh installs uv with it). PATH's python3 is the venv's own, so it is not asked.
+            python = _python_with_pip()
             subprocess.run([python, "-m", "pip", "download", f"sglang=={version}", "--no-deps",
                             "--only-binary=:all:", "-q", "-d", str(wheels)], check=True, timeout=600)
             found = sorted(wheels.glob(f"sglang-{version}-*.whl"))
@@ -41,6 +42,16 @@ def unpacked_wheel(version: str) -> Path:
             wheel.extractall(tmp, [m for m in wheel.namelist() if m.startswith("sglang/") and m.endswith(".py")])
         tmp.rename(root)
     return root
+
+
+def _python_with_pip() -> str:
+    base = Path(sys.base_prefix) / "bin" / "python3"
+    for python in (sys.executable, str(base), shutil.which("python3") or ""):
+        if python and subprocess.run([python, "-m", "pip", "--version"], capture_output=True,
+                                     check=False).returncode == 0:
+            return python
+    raise RuntimeError("no Python with pip found to download SGLang's wheel; install pip for "
+                       f"{base} or put the wheels in {CACHE / 'wheels'}")
 
 
 class Judge:
