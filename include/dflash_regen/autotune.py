@@ -25,6 +25,7 @@ import json
 import logging
 import sys
 import time
+from contextlib import ExitStack
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -121,9 +122,9 @@ class Tuner:
             return {**row, "skipped": f"bad flags: {_first_line(exc)}"}
         one = replace(ccfg.fleet, num_servers=1, gpu_ids=ccfg.fleet.gpu_ids[:1])  # the first GPU, its port
         where = self.dir / f"candidate-{index}"
-        try:
+        with ExitStack() as stack:  # the candidate's server is stopped however this ends
             try:
-                servers = fleet.launch_fleet(one, self.model_path, where)
+                servers = stack.enter_context(fleet.running(one, self.model_path, where))
             except DflashError as exc:
                 return {**row, "skipped": f"fails to start: {_first_line(exc)}", "log": str(where / "server-0.log")}
             key = fleet.read_api_key(where)
@@ -166,8 +167,6 @@ class Tuner:
                     "wall_s": sc["wall_s"], "wall_s_interval": sc["wall_s_interval"], "gpu_hours": sc["gpu_hours"],
                     "gpu_hours_interval": sc["gpu_hours_interval"], "curve": plan["curve"],
                     "measure_s": round(time.monotonic() - started, 1), "_mem": mem, "_health": health}
-        finally:
-            fleet.stop_fleet(where)
 
 
 def choose(rows: list[dict]) -> dict | None:
@@ -325,16 +324,13 @@ def _emulate(ns) -> dict:
             root / "prompts.jsonl", ns.demo_prompts)
         plan = planning.plan_shards(source, cfg.run_dir / "shards", cfg.run_dir / "failures" / "plan.parquet",
                                     replace(cfg.plan, max_bad_share=1.0))
-        servers = fleet.launch_fleet(cfg.fleet, model, cfg.fleet_dir)
-        try:
+        with fleet.running(cfg.fleet, model, cfg.fleet_dir) as servers:
             key = fleet.read_api_key(cfg.fleet_dir)
             atomic.write_json(cfg.reports_dir / "health.json", probes.health_gate(servers, key, cfg.fleet))
             shape = capacity.RunShape(ns.prompts or plan["accepted"], ns.servers, ns.shard_size, 0,
                                       ns.mean_output_tokens)
             return tune(cfg, model, plan["shards"], plan["accepted"], candidate_s=ns.candidate_s,
                         budget_s=ns.budget_s, extra=ns.candidate or [], shape=shape)
-        finally:
-            fleet.stop_fleet(cfg.fleet_dir)
 
 
 def main(argv: list[str] | None = None) -> int:

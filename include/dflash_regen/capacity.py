@@ -695,16 +695,13 @@ def _emulate(ns) -> dict:
             root / "prompts.jsonl")
         plan = planning.plan_shards(source, cfg.run_dir / "shards", cfg.run_dir / "failures" / "plan.parquet",
                                     replace(cfg.plan, max_bad_share=1.0))
-        servers = fleet.launch_fleet(cfg.fleet, model, cfg.fleet_dir)
-        try:
+        with fleet.running(cfg.fleet, model, cfg.fleet_dir) as servers:
             key = fleet.read_api_key(cfg.fleet_dir)
             health = probes.health_gate(servers, key, cfg.fleet)
             shape = _shape(ns, RunShape(plan["accepted"], 1, cfg.plan.shard_size, cfg.generation.in_flight))
             return calibrate(servers[0], key, health, plan["shards"], cfg.generation, shape,
                              prompts=ns.calibration_prompts, server_flags=ns.server_flags,
                              train_max_length=ns.train_max_length)
-        finally:
-            fleet.stop_fleet(cfg.fleet_dir)
 
 
 def main(argv: list[str] | None = None) -> int:

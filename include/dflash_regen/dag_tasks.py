@@ -267,22 +267,20 @@ def calibrate(params: dict, run_id: str, node: dict | None = None) -> dict:
     healthy = generation.healthy_servers(cfg.fleet_dir, servers)
     shape = capacity.RunShape(prompts=plan["accepted"], servers=len(healthy), shard_size=cfg.plan.shard_size,
                               concurrency_per_server=cfg.generation.in_flight)
-    lease = generation.lease_server(cfg.fleet_dir, healthy, 0, wait_s=cfg.fleet.ready_timeout_s)
-    try:
+    with fleet.lease(cfg.fleet_dir, healthy, 0, wait_s=cfg.fleet.ready_timeout_s) as server:
         tuned = autotune.applied_flags(cfg.node_reports_dir)  # the fleet runs the autotuned flags on top
         flags = " ".join(x for x in (cfg.params.get("server_flags") or "", tuned or "") if x)
-        report = capacity.calibrate(lease.server, key, health, plan["shards"], cfg.generation, shape,
-                                    prompts=cfg.capacity.calibration_prompts, server_flags=flags,
-                                    train_max_length=cfg.plan.train_max_length)
-    except capacity.TooFewPrompts as exc:  # a run this small is over before a prediction would help
-        log.warning("calibration skipped: %s", exc)
-        return {"calibrated": False}
-    except capacity.CapacityError as exc:
-        if not fleet.is_alive(lease.server):  # so the retry measures another server, as a shard's would
-            fleet.mark_unhealthy(cfg.fleet_dir, lease.server, str(exc))
-        raise
-    finally:
-        lease.release()
+        try:
+            report = capacity.calibrate(server, key, health, plan["shards"], cfg.generation, shape,
+                                        prompts=cfg.capacity.calibration_prompts, server_flags=flags,
+                                        train_max_length=cfg.plan.train_max_length)
+        except capacity.TooFewPrompts as exc:  # a run this small is over before a prediction would help
+            log.warning("calibration skipped: %s", exc)
+            return {"calibrated": False}
+        except capacity.CapacityError as exc:
+            if not fleet.is_alive(server):  # so the retry measures another server, as a shard's would
+                fleet.mark_unhealthy(cfg.fleet_dir, server, str(exc))
+            raise
     write_report(cfg, "capacity", report)
     log.info("capacity plan (reports/capacity.json):\n%s", capacity.format_table(report))
     current = report["scenarios"][0]
@@ -373,15 +371,12 @@ def generate(params: dict, run_id: str, shard: dict, node: dict | None = None) -
         expected_rps = planned["scenarios"][0]["requests_per_s_per_server"]
         if cfg.capacity.apply_advised_concurrency:
             settings = replace(settings, in_flight=planned["advice"]["concurrency_per_server"])
-    lease = generation.lease_server(cfg.fleet_dir, servers, shard["shard"], wait_s=cfg.fleet.ready_timeout_s,
-                                    avoid=generation.servers_failed_on(cfg.fleet_dir, shard["shard"]))
-    try:
+    with fleet.lease(cfg.fleet_dir, servers, shard["shard"], wait_s=cfg.fleet.ready_timeout_s,
+                     avoid=generation.servers_failed_on(cfg.fleet_dir, shard["shard"])) as server:
         healthy = len(generation.healthy_servers(cfg.fleet_dir, servers))
-        return generation.generate_shard(paths, lease, key, settings, fleet_dir=cfg.fleet_dir,
+        return generation.generate_shard(paths, server, key, settings, fleet_dir=cfg.fleet_dir,
                                          run_prompts=shard.get("run_prompts"), servers_sharing=healthy,
                                          expected_rps=expected_rps)
-    finally:
-        lease.release()
 
 
 @fail_fast

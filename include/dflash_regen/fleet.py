@@ -10,6 +10,7 @@ the task that started it and how it ended (exit code or signal) lands in `fleet/
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import os
@@ -21,12 +22,14 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from dflash_regen.config import FleetConfig
-from dflash_regen.errors import FleetError, LaunchRefused
+from dflash_regen.errors import FleetError, LaunchRefused, NoServerFree
 from dflash_regen.sglang import Api, Dialect
 
 log = logging.getLogger(__name__)
@@ -355,6 +358,55 @@ def healthy_servers(fleet_dir: Path, servers: list[Server]) -> list[Server]:
     return [s for s in servers if is_alive(s) and not _unhealthy_path(fleet_dir, s.index).exists()]
 
 
+# ------------------------------------------------------------------------------------------------- leases
+@contextmanager
+def lease(fleet_dir: Path, servers: list[Server], shard: int, wait_s: float,
+          avoid: dict[int, str] | None = None) -> Iterator[Server]:
+    """Hold one healthy server exclusively for the block (`with fleet.lease(...) as server:`).
+
+    The hold is an `flock` on `fleet/lease-<i>.lock`: it dies with the process, so a killed task never leaves a
+    server leased. Never a server in `avoid` (where this shard failed before) while another is healthy; waits up
+    to `wait_s` for one to come free, then raises `NoServerFree`.
+    """
+    server, fd = _take_lease(fleet_dir, servers, shard, wait_s, avoid)
+    try:
+        yield server
+    finally:
+        os.close(fd)
+
+
+def _take_lease(fleet_dir: Path, servers: list[Server], shard: int, wait_s: float,
+                avoid: dict[int, str] | None = None) -> tuple[Server, int]:
+    deadline = time.monotonic() + wait_s
+    avoid = avoid or {}
+    while True:
+        candidates = healthy_servers(fleet_dir, servers)
+        if not candidates:
+            raise NoServerFree(f"no healthy server left in {fleet_dir} ({len(servers)} launched); check the "
+                               "server logs there, then clear launch_fleet to relaunch the fleet")
+        if any(s.index not in avoid for s in candidates):  # waiting for another server beats a faulty GPU
+            candidates = [s for s in candidates if s.index not in avoid]
+        # Start at a shard-dependent server so parallel tasks spread out instead of racing for server 0.
+        ordered = sorted(candidates, key=lambda s: (s.index - shard) % len(servers))
+        for server in ordered:
+            fd = os.open(fleet_dir / f"lease-{server.index}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                continue
+            os.ftruncate(fd, 0)
+            os.write(fd, f"shard {shard} pid {os.getpid()}\n".encode())
+            for index, reason in sorted(avoid.items()):
+                verdict = "leased it again: no other server is healthy" if index == server.index else \
+                    f"leased {server.name} instead"
+                log.warning("shard %d failed on server %d before (%s); %s", shard, index, reason, verdict)
+            return server, fd
+        if time.monotonic() > deadline:
+            raise NoServerFree(f"all {len(candidates)} healthy servers stayed leased for {wait_s:.0f} s")
+        time.sleep(0.5)
+
+
 # ---------------------------------------------------------------------------------------------- readiness
 def _health_ok(server: Server, timeout: float) -> bool:
     return Api(server.url, "").is_ready(timeout)
@@ -434,3 +486,14 @@ def launch_fleet(cfg: FleetConfig, model_path: Path, fleet_dir: Path) -> list[Se
         raise
     log.info("fleet of %d servers ready in %.1f s (slowest)", len(launched), max(ready.values()))
     return launched
+
+
+@contextmanager
+def running(cfg: FleetConfig, model_path: Path, fleet_dir: Path) -> Iterator[list[Server]]:
+    """A fleet for the block (`with fleet.running(...) as servers:`): launched, ready, and stopped on leaving it
+    however the block ends (the CLIs' and autotune's own fleets; the DAG's outlives its task, see `launch_fleet`)."""
+    servers = launch_fleet(cfg, model_path, fleet_dir)
+    try:
+        yield servers
+    finally:
+        stop_fleet(fleet_dir)

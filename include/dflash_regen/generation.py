@@ -1,7 +1,6 @@
 """Generate one shard's completions on one leased server, exactly once and resumably.
 
-- **Lease**: the task takes an exclusive `flock` on one healthy server (`fleet/lease-<i>.lock`). The lock
-  dies with the process, so a killed task never leaves a server leased.
+- **Lease**: the task holds one healthy server for the shard (`fleet.lease`).
 - **Progress is keyed by `sample_id`**: finished rows go to checkpoint parts
   (`completions/shard-XXXXX/part-*.parquet`, tmp + rename) every N results or T seconds, and 4xx-rejected
   prompts to `failures/shard-XXXXX/part-*.parquet`. A rerun reads both and sends only what is missing,
@@ -23,7 +22,6 @@ import fcntl
 import hashlib
 import json
 import logging
-import os
 import threading
 import time
 import uuid
@@ -40,7 +38,6 @@ from dflash_regen.errors import (
     AuthError,
     ConfigError,
     DflashError,
-    NoServerFree,
     NotRetryable,
     PromptError,
     ServerError,
@@ -95,50 +92,6 @@ def servers_failed_on(fleet_dir: Path, shard: int) -> dict[int, str]:
     """Server index -> the latest reason `shard` failed there."""
     path = _failed_path(fleet_dir, shard)
     return {h["server"]: h["reason"] for h in json.loads(path.read_text())} if path.is_file() else {}
-
-
-# ------------------------------------------------------------------------------------------------- leases
-class Lease:
-    """An exclusive hold on one server for the life of this process (flock)."""
-
-    def __init__(self, server: Server, fd: int):
-        self.server, self._fd = server, fd
-
-    def release(self) -> None:
-        os.close(self._fd)
-
-
-def lease_server(fleet_dir: Path, servers: list[Server], shard: int, wait_s: float,
-                 avoid: dict[int, str] | None = None) -> Lease:
-    """Lease a healthy server, never one in `avoid` (where this shard failed before) while another is healthy."""
-    deadline = time.monotonic() + wait_s
-    avoid = avoid or {}
-    while True:
-        candidates = healthy_servers(fleet_dir, servers)
-        if not candidates:
-            raise NoServerFree(f"no healthy server left in {fleet_dir} ({len(servers)} launched); check the "
-                               "server logs there, then clear launch_fleet to relaunch the fleet")
-        if any(s.index not in avoid for s in candidates):  # waiting for another server beats a faulty GPU
-            candidates = [s for s in candidates if s.index not in avoid]
-        # Start at a shard-dependent server so parallel tasks spread out instead of racing for server 0.
-        ordered = sorted(candidates, key=lambda s: (s.index - shard) % len(servers))
-        for server in ordered:
-            fd = os.open(fleet_dir / f"lease-{server.index}.lock", os.O_RDWR | os.O_CREAT, 0o644)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                os.close(fd)
-                continue
-            os.ftruncate(fd, 0)
-            os.write(fd, f"shard {shard} pid {os.getpid()}\n".encode())
-            for index, reason in sorted(avoid.items()):
-                verdict = "leased it again: no other server is healthy" if index == server.index else \
-                    f"leased {server.name} instead"
-                log.warning("shard %d failed on server %d before (%s); %s", shard, index, reason, verdict)
-            return Lease(server, fd)
-        if time.monotonic() > deadline:
-            raise NoServerFree(f"all {len(candidates)} healthy servers stayed leased for {wait_s:.0f} s")
-        time.sleep(0.5)
 
 
 # ---------------------------------------------------------------------------------------------- checkpoints
@@ -427,10 +380,10 @@ def _check_refused_share(paths: ShardPaths, prompts: int, refused: int, limit: f
             "or raise the Param, then clear the shard")
 
 
-def generate_shard(paths: ShardPaths, lease: Lease, api_key: str, settings: GenerationSettings, *,
+def generate_shard(paths: ShardPaths, server: Server, api_key: str, settings: GenerationSettings, *,
                    fleet_dir: Path, run_prompts: int | None = None, servers_sharing: int = 1,
                    expected_rps: float | None = None) -> dict:
-    """Complete the shard on the leased server; returns counts for XCom.
+    """Complete the shard on `server` (leased for it); returns counts for XCom.
 
     `expected_rps` (completions per second on one server, from the capacity plan) drives the ETA until the
     shard's own rate means something.
@@ -448,7 +401,6 @@ def generate_shard(paths: ShardPaths, lease: Lease, api_key: str, settings: Gene
     failed_ids = read_done(paths.failures, paths.failures_output)
     todo = [{**row, "shard": paths.shard} for row in table.to_pylist()
             if row["sample_id"] not in done_ids and row["sample_id"] not in failed_ids]
-    server = lease.server
     status = shard_status.ShardStatus(paths.status, paths.shard, table.num_rows, server.name, len(done_ids),
                                       len(failed_ids)) if paths.status else None
     try:

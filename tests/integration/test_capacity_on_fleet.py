@@ -7,7 +7,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 
-from dflash_regen import capacity, generation, probes
+from dflash_regen import capacity, fleet, generation, probes
 from dflash_regen.demo_prompts import demo_rows, write_demo_prompts
 from dflash_regen.fleet import load_servers
 from dflash_regen.planning import plan_shards
@@ -67,12 +67,9 @@ def test_calibration_finds_the_emulators_known_curve_and_predicts_a_run_it_never
 
     # The run, as Airflow runs it: two shard tasks at a time, each leasing a free server.
     def run(shard):
-        lease = generation.lease_server(cfg.fleet_dir, load_servers(cfg.fleet_dir), shard["shard"], wait_s=30)
-        try:
+        with fleet.lease(cfg.fleet_dir, load_servers(cfg.fleet_dir), shard["shard"], wait_s=30) as server:
             paths = generation.ShardPaths.of(cfg.run_dir, shard["shard"], Path(shard["path"]))
-            return generation.generate_shard(paths, lease, key, cfg.generation, fleet_dir=cfg.fleet_dir)
-        finally:
-            lease.release()
+            return generation.generate_shard(paths, server, key, cfg.generation, fleet_dir=cfg.fleet_dir)
 
     started = time.monotonic()
     with ThreadPoolExecutor(max_workers=2) as pool:

@@ -7,6 +7,7 @@ import subprocess
 import sys
 import threading
 import time
+from contextlib import ExitStack
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -14,6 +15,7 @@ import pytest
 
 from dflash_regen import fleet, generation
 from dflash_regen.demo_prompts import write_demo_prompts
+from dflash_regen.errors import NoServerFree
 from dflash_regen.fleet import is_alive, load_servers
 from dflash_regen.planning import plan_shards
 
@@ -32,12 +34,9 @@ def plan(cfg, tmp_path, n=40, shard_size=40, rows=None):
 def run_shard(cfg, key, descriptor, **settings):
     servers = load_servers(cfg.fleet_dir)
     paths = generation.ShardPaths.of(cfg.run_dir, descriptor["shard"], Path(descriptor["path"]))
-    lease = generation.lease_server(cfg.fleet_dir, servers, descriptor["shard"], wait_s=5)
     gen_settings = cfg.generation.__class__(**{**cfg.generation.__dict__, **settings})
-    try:
-        return generation.generate_shard(paths, lease, key, gen_settings, fleet_dir=cfg.fleet_dir), lease.server
-    finally:
-        lease.release()
+    with fleet.lease(cfg.fleet_dir, servers, descriptor["shard"], wait_s=5) as server:
+        return generation.generate_shard(paths, server, key, gen_settings, fleet_dir=cfg.fleet_dir), server
 
 
 def ids_of(path):
@@ -62,18 +61,28 @@ def test_a_shard_completes_once_with_the_generation_mode_recorded(launch, tmp_pa
 
 def test_leases_are_exclusive_and_a_dead_server_is_not_leased(launch):
     cfg, servers, _ = launch(num_servers=2)
-    first = generation.lease_server(cfg.fleet_dir, servers, 0, wait_s=1)
-    second = generation.lease_server(cfg.fleet_dir, servers, 0, wait_s=1)
-    assert first.server.index != second.server.index
-    with pytest.raises(generation.NoServerFree, match="stayed leased"):
-        generation.lease_server(cfg.fleet_dir, servers, 0, wait_s=0.5)
-    first.release()
-    os.kill(second.server.pid, signal.SIGKILL)
-    second.release()
+    with ExitStack() as first_hold, ExitStack() as second_hold:
+        first = first_hold.enter_context(fleet.lease(cfg.fleet_dir, servers, 0, wait_s=1))
+        second = second_hold.enter_context(fleet.lease(cfg.fleet_dir, servers, 0, wait_s=1))
+        assert first.index != second.index
+        with pytest.raises(NoServerFree, match="stayed leased"):
+            with fleet.lease(cfg.fleet_dir, servers, 0, wait_s=0.5):
+                pass
+        first_hold.close()
+        os.kill(second.pid, signal.SIGKILL)
+        second_hold.close()
     time.sleep(0.3)
-    lease = generation.lease_server(cfg.fleet_dir, servers, 0, wait_s=1)
-    assert lease.server.index == first.server.index
-    lease.release()
+    with fleet.lease(cfg.fleet_dir, servers, 0, wait_s=1) as server:
+        assert server.index == first.index
+
+
+def test_a_lease_is_released_when_its_block_raises(launch):
+    cfg, servers, _ = launch(num_servers=1)
+    with pytest.raises(RuntimeError, match="the shard failed"):
+        with fleet.lease(cfg.fleet_dir, servers, 0, wait_s=1):
+            raise RuntimeError("the shard failed")
+    with fleet.lease(cfg.fleet_dir, servers, 0, wait_s=0.3) as server:  # free again at once, not after a wait
+        assert server.index == servers[0].index
 
 
 def test_a_dead_server_is_never_leased_whichever_server_a_shard_prefers(launch):
@@ -84,11 +93,11 @@ def test_a_dead_server_is_never_leased_whichever_server_a_shard_prefers(launch):
     while is_alive(dead) and time.monotonic() < deadline:
         time.sleep(0.05)
     for shard in range(4):  # every preference order, whatever it is, has the dead server first for some shard
-        lease = generation.lease_server(cfg.fleet_dir, servers, shard, wait_s=1)
-        assert lease.server.index == live.index, f"shard {shard} leased the dead {lease.server.name}"
-        with pytest.raises(generation.NoServerFree):  # the live one is taken: the dead one is no fallback
-            generation.lease_server(cfg.fleet_dir, servers, shard, wait_s=0.3)
-        lease.release()
+        with fleet.lease(cfg.fleet_dir, servers, shard, wait_s=1) as server:
+            assert server.index == live.index, f"shard {shard} leased the dead {server.name}"
+            with pytest.raises(NoServerFree):  # the live one is taken: the dead one is no fallback
+                with fleet.lease(cfg.fleet_dir, servers, shard, wait_s=0.3):
+                    pass
 
 
 def test_server_killed_mid_shard_fails_over_with_nothing_lost_or_duplicated(launch, tmp_path):
@@ -131,21 +140,21 @@ def test_a_shard_that_failed_on_a_server_prefers_another_one_after_a_relaunch(la
     assert not list(cfg.fleet_dir.glob("unhealthy-*"))  # a fresh fleet: every server healthy again
     avoid = generation.servers_failed_on(cfg.fleet_dir, 0)
     assert avoid == {0: "the server process was killed by SIGKILL"}
-    with caplog.at_level("WARNING", logger="dflash_regen.generation"):
-        lease = generation.lease_server(cfg.fleet_dir, relaunched, 0, wait_s=1, avoid=avoid)  # shard 0 -> server 0
-    assert lease.server.index == 1
-    assert ("shard 0 failed on server 0 before (the server process was killed by SIGKILL); leased "
-            f"{relaunched[1].name} instead") in caplog.text
-    # While the other server is busy, the shard waits for it rather than go back to server 0 ...
-    with pytest.raises(generation.NoServerFree):
-        generation.lease_server(cfg.fleet_dir, relaunched, 0, wait_s=0.5, avoid=avoid)
-    lease.release()
+    with ExitStack() as hold:
+        with caplog.at_level("WARNING", logger="dflash_regen.fleet"):
+            server = hold.enter_context(fleet.lease(cfg.fleet_dir, relaunched, 0, wait_s=1, avoid=avoid))  # 0 -> 0
+        assert server.index == 1
+        assert ("shard 0 failed on server 0 before (the server process was killed by SIGKILL); leased "
+                f"{relaunched[1].name} instead") in caplog.text
+        # While the other server is busy, the shard waits for it rather than go back to server 0 ...
+        with pytest.raises(NoServerFree):
+            with fleet.lease(cfg.fleet_dir, relaunched, 0, wait_s=0.5, avoid=avoid):
+                pass
     # ... unless server 0 is the only healthy one left.
     os.kill(relaunched[1].pid, signal.SIGKILL)
     time.sleep(0.3)
-    again = generation.lease_server(cfg.fleet_dir, relaunched, 0, wait_s=1, avoid=avoid)
-    assert again.server.index == 0
-    again.release()
+    with fleet.lease(cfg.fleet_dir, relaunched, 0, wait_s=1, avoid=avoid) as again:
+        assert again.index == 0
 
 
 def test_shard_process_killed_while_checkpointing_resumes_from_its_parts(launch, tmp_path):
