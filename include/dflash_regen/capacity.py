@@ -362,17 +362,36 @@ def _kv_fit(kv_tokens: int, request_tokens: float) -> int:
     return int(kv_tokens // max(request_tokens, 1))
 
 
-def running_batch(mem: Memory, shape: RunShape, request_tokens: float) -> tuple[int, str]:
-    """(requests a server actually runs at once, what caps it)."""
-    client = shape.concurrency_per_server or mem.running_slots
+@dataclass(frozen=True)
+class Binding:
+    """What caps one server's running batch, and the batch it runs."""
+
+    resource: str  # "client concurrency", "KV tokens", "Mamba slots" or "running requests"
+    running: int  # requests the server runs at once
+    kv_fit: int  # requests of the given size its KV cache holds
+
+
+def binding_resource(mem: Memory, request_tokens: float, client: int = 0) -> Binding:
+    """The one binding-resource verdict: health_check's table and calibrate's plan both show it.
+
+    `client` is the requests the client keeps in flight (0: as many as the slots). The KV cache binds only when it
+    holds fewer requests than the slots: at equality the server runs every slot, so the slot cap is what binds.
+    """
+    client = client or mem.running_slots
     kv_fit = _kv_fit(mem.kv_tokens, request_tokens)
     if client < mem.running_slots and client <= kv_fit:
-        return client, "client concurrency"
+        return Binding("client concurrency", client, kv_fit)
     if kv_fit < mem.running_slots:
-        return max(kv_fit, 1), "KV tokens"
+        return Binding("KV tokens", max(kv_fit, 1), kv_fit)
     mamba_capped = bool(mem.mamba_slots and mem.mamba_ratio and mem.running_slots == mem.mamba_slots // mem.mamba_ratio
                         and (mem.max_running_requests is None or mem.running_slots < mem.max_running_requests))
-    return mem.running_slots, "Mamba slots" if mamba_capped else "running requests"
+    return Binding("Mamba slots" if mamba_capped else "running requests", mem.running_slots, kv_fit)
+
+
+def running_batch(mem: Memory, shape: RunShape, request_tokens: float) -> tuple[int, str]:
+    """(requests a server actually runs at once, what caps it)."""
+    verdict = binding_resource(mem, request_tokens, shape.concurrency_per_server)
+    return verdict.running, verdict.resource
 
 
 def client_concurrency(running: int) -> int:

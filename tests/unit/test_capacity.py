@@ -79,6 +79,15 @@ def test_a_small_kv_pool_is_kv_bound_and_naming_the_running_requests_frees_the_s
     assert capacity.running_batch(mem, RunShape(1000, 1, 100), 2420) == (8, "KV tokens")
 
 
+def test_kv_binds_only_when_it_holds_fewer_requests_than_the_slots():
+    exactly = capacity.binding_resource(seed_memory(kv_tokens=16 * 2420), 2420)
+    assert (exactly.resource, exactly.running, exactly.kv_fit) == ("Mamba slots", 16, 16)
+    short = capacity.binding_resource(seed_memory(kv_tokens=16 * 2420 - 1), 2420)
+    assert (short.resource, short.running, short.kv_fit) == ("KV tokens", 15, 15)
+    advice = capacity.advise(B200, [seed_memory(kv_tokens=16 * 2420)], RunShape(1000, 1, 100), 2420)
+    assert advice["resource"] == "Mamba slots"
+
+
 def test_a_saturated_gpu_is_compute_bound_and_no_flag_is_advised():
     saturated = Curve(a=1 / 1900 - 1 / 2000, k=1 / 2000)  # alone nearly as fast as the whole GPU
     advice = capacity.advise(saturated, [seed_memory()], RunShape(1000, 1, 100), request_tokens=2420)
