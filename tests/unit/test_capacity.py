@@ -3,8 +3,9 @@
 import numpy as np
 import pytest
 
-from dflash_regen import capacity
+from dflash_regen import atomic, capacity
 from dflash_regen.capacity import Curve, Memory, RunShape
+from dflash_regen.capacity.__main__ import main as capacity_cli
 from dflash_regen.emulator import allocation
 
 B200 = Curve(a=1 / 300 - 1 / 2000, k=1 / 2000, measured_up_to=16)  # the emulator's B200 preset
@@ -134,8 +135,8 @@ def test_the_cli_re_plans_a_stored_report_for_another_run_size(tmp_path, capsys)
                    "fill_s": 0.5, "levels": levels_on(B200), "output_tokens": [1820] * 64,
                    "prompt_tokens": [600] * 64, "finish_reasons": {"stop": 64}, "max_tokens": 16384}
     stored = tmp_path / "capacity.json"
-    capacity.atomic.write_json(stored, capacity.plan_report(calibration, [seed_memory()], RunShape(902_087, 7, 1000)))
-    assert capacity.main(["plan", str(stored), "--prompts", "7000", "--servers", "7"]) == 0
+    atomic.write_json(stored, capacity.plan_report(calibration, [seed_memory()], RunShape(902_087, 7, 1000)))
+    assert capacity_cli(["plan", str(stored), "--prompts", "7000", "--servers", "7"]) == 0
     out = capsys.readouterr().out
     assert "7,000 prompts x 1,820 mean output tokens" in out and "| advised: --max-mamba-cache-size 160" in out
 
