@@ -361,22 +361,7 @@ def plan_shards(params: dict, run_id: str) -> list[dict]:
 
 @fail_fast
 def generate(params: dict, run_id: str, shard: dict, node: dict | None = None) -> dict:
-    cfg = _cfg(params, run_id, node)
-    servers = fleet.load_servers(cfg.fleet_dir)
-    key = fleet.read_api_key(cfg.fleet_dir)
-    paths = generation.ShardPaths.of(cfg.run_dir, shard["shard"], Path(shard["path"]))
-    settings, expected_rps = cfg.generation, None
-    planned = capacity.read_report(cfg.node_reports_dir)
-    if planned:
-        expected_rps = planned["scenarios"][0]["requests_per_s_per_server"]
-        if cfg.capacity.apply_advised_concurrency:
-            settings = replace(settings, in_flight=planned["advice"]["concurrency_per_server"])
-    with fleet.lease(cfg.fleet_dir, servers, shard["shard"], wait_s=cfg.fleet.ready_timeout_s,
-                     avoid=generation.servers_failed_on(cfg.fleet_dir, shard["shard"])) as server:
-        healthy = len(generation.healthy_servers(cfg.fleet_dir, servers))
-        return generation.generate_shard(paths, server, key, settings, fleet_dir=cfg.fleet_dir,
-                                         run_prompts=shard.get("run_prompts"), servers_sharing=healthy,
-                                         expected_rps=expected_rps)
+    return generation.run_shard(_cfg(params, run_id, node), shard)
 
 
 @fail_fast

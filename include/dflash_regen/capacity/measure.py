@@ -16,7 +16,7 @@ import pyarrow.parquet as pq
 from dflash_regen.config import GenerationSettings
 from dflash_regen.errors import Cancelled, CapacityError, MetricsMissing, PromptError, TransientError
 from dflash_regen.fleet import Server
-from dflash_regen.generation import chat_payload, sample_seed
+from dflash_regen.generator import chat_payload, sample_seed
 from dflash_regen.sglang import Api, ChatResult, make_session, reasoning_tokens, with_retries
 
 log = logging.getLogger(__name__)
