@@ -1,14 +1,5 @@
-"""What a run says, as plain dicts: the data behind the UI's runs list, data-quality and fleet pages.
-
-Two sources. The run folder `<output_root>/runs/<run_id>/` (reports/*.json, each shard's status file, the
-shard, completion and failure parquet files) says what the pipeline did and works while the run is going and
-long after it ended. Airflow's view of the run (`airflow_run`: its id, state, dates and task instances, passed
-in by the plugin as a plain dict; None outside Airflow) says what the folder cannot: a run marked failed, a
-task killed before it wrote anything, where the run stopped.
-
-At scale (902 shards, 902K completions) a page view must not re-read the run: parquet reads are cached per
-file (path, mtime, size), so a refresh reads only the checkpoint parts written since the last one.
-"""
+"""The fleet page's data: each shard's attempts and incidents, throughput per server, progress and ETA, KV headroom,
+the capacity plan's advice, and the nodes of a multi-node run."""
 
 from __future__ import annotations
 
@@ -19,282 +10,22 @@ from pathlib import Path
 import numpy as np
 import pyarrow.parquet as pq
 
-from dflash_regen import shard_status
-from dflash_regen.config import safe_run_id
-from dflash_regen.errors import RunNotFound
+from dflash_regen.run_report.files import (
+    _assignment,
+    _cached,
+    _forget_missing,
+    _json,
+    _result_files,
+    _rows,
+    _shard_of,
+    _statuses,
+)
+from dflash_regen.run_report.runs import RUNNING_STATES, _first_line, _generate_tis, run_state
 
-HISTOGRAM_BINS = 40
 THROUGHPUT_POINTS = 60
-# Tasks in pipeline order: where a failed run stopped, what never ran.
-PIPELINE = ("stage_weights", "launch_fleet", "health_check", "smoke_test", "plan_shards", "calibrate", "generate",
-            "tokenize", "validate", "publish", "stop_fleet")
-RUNNING_STATES = {"running", "queued", "scheduled", "up_for_retry", "up_for_reschedule", "restarting", "deferred"}
 SHARDS_LISTED = 50  # beyond this, finished shards are left out of the page's table (fleet.json has them all)
 ADVICE_MIN_GAIN = 0.02  # advise a relaunch only when it is predicted at least this much faster
 
-
-def resolve_run(output_root: Path, run_id: str) -> Path:
-    """The run folder for an Airflow run id; never a path outside `<output_root>/runs/`."""
-    runs = (output_root / "runs").resolve()
-    try:
-        name = safe_run_id(run_id)
-    except ValueError as exc:
-        raise RunNotFound(str(exc)) from exc
-    candidate = (runs / name).resolve()
-    if candidate.parent != runs or not candidate.is_dir():
-        raise RunNotFound(f"no run {run_id!r} under {runs}")
-    return candidate
-
-
-def _json(path: Path) -> dict | None:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None  # not written yet, or being replaced right now
-
-
-# ----------------------------------------------------------------------------------------------- file cache
-_CACHE: dict[tuple[str, str], tuple[tuple[int, int], object]] = {}
-
-
-def _cached(path: Path, kind: str, load):
-    """`load(path)`, remembered until the file changes; None for a file that vanished or is half written."""
-    try:
-        st = path.stat()
-    except OSError:
-        return None
-    key, stamp = (kind, str(path)), (st.st_mtime_ns, st.st_size)
-    hit = _CACHE.get(key)
-    if hit is not None and hit[0] == stamp:
-        return hit[1]
-    try:
-        value = load(path)
-    except (OSError, KeyError, ValueError):
-        return None  # a part being written, or an older file without the column
-    _CACHE[key] = (stamp, value)
-    return value
-
-
-def _forget_missing(folder: Path) -> None:
-    """Drop cache entries of merged-away checkpoint parts under `folder`, so the cache does not grow forever."""
-    prefix = str(folder) + "/"
-    for key in [k for k in _CACHE if k[1].startswith(prefix)]:
-        if not Path(key[1]).exists():
-            del _CACHE[key]
-
-
-def _rows(path: Path) -> int:
-    return _cached(path, "rows", lambda p: pq.read_metadata(p).num_rows) or 0  # the footer only
-
-
-def _columns(paths: list[Path], *names: str) -> list[list]:
-    """The named columns over all files, read together so they stay row-aligned."""
-    values: list[list] = [[] for _ in names]
-    for path in paths:
-        table = _cached(path, "cols:" + ",".join(names), lambda p: pq.read_table(p, columns=list(names)))
-        if table is None:
-            continue
-        for out, name in zip(values, names, strict=True):
-            out.extend(table.column(name).to_pylist())
-    return values
-
-
-def _column(paths: list[Path], column: str) -> list:
-    return _columns(paths, column)[0]
-
-
-def _result_files(folder: Path) -> list[Path]:
-    """Merged shard files plus checkpoint parts of shards not merged yet (a merged shard's parts repeat it)."""
-    merged = sorted(folder.glob("shard-*.parquet"))
-    done = {p.stem for p in merged}
-    return merged + sorted(p for d in folder.glob("shard-*") if d.is_dir() and d.name not in done
-                           for p in d.glob("*.parquet"))
-
-
-def _shard_of(path: Path) -> int:
-    name = path.stem if path.stem.startswith("shard-") else path.parent.name
-    return int(name.split("-")[1])
-
-
-# --------------------------------------------------------------------------------------------- run state
-def _ti_label(t: dict) -> str:
-    return t["task_id"] + (f"[{t['map_index']}]" if t["map_index"] >= 0 else "")
-
-
-def _first_line(text) -> str:
-    return (str(text or "").strip().splitlines() or [""])[0]
-
-
-def run_state(run: Path, airflow_run: dict | None) -> dict:
-    """The run's state, dates, failed tasks with their first error line where the folder has it, and where it
-    stopped; from Airflow when it knows the run, else what the folder alone can tell."""
-    reports = run / "reports"
-    errors = {"health_check": _first_line((_json(reports / "health.json") or {}).get("error")),
-              "smoke_test": _first_line((_json(reports / "smoke.json") or {}).get("error"))}
-    quality = _json(reports / "quality.json")
-    if quality is not None and not quality.get("success"):
-        failed = [f"{e['expectation']} {e.get('kwargs', {}).get('column', '')}: observed {e.get('observed')}"
-                  for e in quality.get("expectations", []) if not e.get("success")]
-        errors["validate"] = "quality gate failed: " + "; ".join(failed)
-    statuses = _statuses(run)
-    if airflow_run is None:
-        return {"known": False, "state": None, "start": None, "end": None, "duration_s": None, "failed": [],
-                "stopped_at": None, "not_run": [], "running": []}
-    tasks = sorted(airflow_run.get("tasks", []), key=lambda t: (PIPELINE.index(t["task_id"])
-                                                                if t["task_id"] in PIPELINE else 99, t["map_index"]))
-    failed = []
-    for t in tasks:
-        if t["state"] != "failed":
-            continue
-        error = errors.get(t["task_id"], "")
-        if t["task_id"] == "generate" or t["task_id"].endswith(".generate"):
-            shard = next((n for n, ti in _generate_tis(run, airflow_run).items() if ti is t), t["map_index"])
-            attempts = (statuses.get(shard) or {}).get("attempts", [])
-            error = next((a.get("error", "") for a in reversed(attempts) if a.get("state") == "failed"), "")
-        failed.append({"task": _ti_label(t), "task_id": t["task_id"], "map_index": t["map_index"],
-                       "try_number": t["try_number"], "error": error})
-    not_run = []
-    for name in PIPELINE:
-        states = {t["state"] for t in tasks if t["task_id"] == name}
-        if states and states <= {"upstream_failed", "skipped", "removed", None}:
-            not_run.append(name)
-    start, end = airflow_run.get("start"), airflow_run.get("end")
-    state = airflow_run.get("state")
-    return {"known": True, "run_id": airflow_run["run_id"], "state": state, "start": start, "end": end,
-            "duration_s": None if start is None else (end or time.time()) - start,
-            "failed": failed, "stopped_at": failed[0]["task"] if failed else None, "not_run": not_run,
-            "running": [_ti_label(t) for t in tasks if t["state"] in {"running", "queued", "up_for_retry"}]}
-
-
-def list_runs(output_root: Path, airflow_runs: list[dict] | None = None) -> dict:
-    """Airflow's runs of the DAG with their folder's counts, and folders no Airflow run matches."""
-    folders = {p.name: p for p in (output_root / "runs").glob("*") if p.is_dir()}
-    rows = []
-    for r in airflow_runs or []:
-        folder = folders.pop(safe_run_id(r["run_id"]), None)
-        rows.append({**r, "duration_s": None if r.get("start") is None else (r.get("end") or time.time()) - r["start"],
-                     "folder": folder is not None, **(_run_counts(folder) if folder else {})})
-    orphans = [{"run_id": name, "modified": p.stat().st_mtime, **_run_counts(p)}
-               for name, p in sorted(folders.items(), key=lambda kv: kv[1].stat().st_mtime, reverse=True)]
-    return {"airflow": airflow_runs is not None, "runs": rows, "folders": orphans}
-
-
-def _run_counts(run: Path) -> dict:
-    plan = _json(run / "reports" / "plan.json") or {}
-    quality = _json(run / "reports" / "quality.json")
-    return {"prompts": plan.get("rows"), "published": (quality or {}).get("kept"),
-            "quarantined": None if quality is None else plan.get("rows", 0) - quality.get("kept", 0),
-            "quality": None if quality is None else bool(quality.get("success")),
-            "data_docs": (run / "reports" / "data_docs" / "index.html").is_file()}
-
-
-# ------------------------------------------------------------------------------------------ data quality
-def _g(v) -> str:
-    return f"{v:g}" if isinstance(v, (int, float)) and not isinstance(v, bool) else str(v)
-
-
-def threshold(expectation: str, kwargs: dict) -> str:
-    """An expectation's rule in a few words, e.g. '>= 7 for >= 98% of rows'."""
-    lo, hi = kwargs.get("min_value"), kwargs.get("max_value")
-    parts = []
-    if lo is not None and hi is not None:
-        parts.append(f"{_g(lo)} .. {_g(hi)}")
-    elif lo is not None:
-        parts.append(f">= {_g(lo)}")
-    elif hi is not None:
-        parts.append(f"<= {_g(hi)}")
-    if "value" in kwargs:
-        parts.append(f"= {_g(kwargs['value'])}")
-    if "value_set" in kwargs:
-        values = ", ".join(_g(v) for v in kwargs["value_set"])
-        parts.append(f"{'not in' if '_not_be_in_set' in expectation else 'in'} {{{values}}}")
-    if "column_B" in kwargs:
-        parts.append(f"= {kwargs['column_B']}")
-    if "mostly" in kwargs:
-        parts.append(f"for >= {kwargs['mostly']:.0%} of rows")
-    condition = kwargs.get("row_condition")
-    if isinstance(condition, dict) and condition.get("pass_through_filter"):
-        parts.append(f"where {condition['pass_through_filter']}")
-    return " ".join(parts) or "-"
-
-
-def quarantine_by_stage(run: Path) -> dict[str, dict[str, int]]:
-    """Quarantined rows per stage (planning, generation, quality gate) and reason."""
-    stages = {"planning": [run / "failures" / "plan.parquet"],
-              "generation": sorted((run / "failures").glob("shard-*.parquet")),
-              "quality gate": [run / "quality" / "quarantine.parquet"]}
-    out = {}
-    for stage, paths in stages.items():
-        counts: dict[str, int] = {}
-        for reason in _column([p for p in paths if p.is_file()], "reason"):
-            counts[reason] = counts.get(reason, 0) + 1
-        out[stage] = dict(sorted(counts.items(), key=lambda kv: -kv[1]))
-    return out
-
-
-def histogram(values: list[int], bins: int = HISTOGRAM_BINS, split_at: int | None = None) -> list[dict]:
-    """Integer-aligned equal-width bins; values at or below `split_at` get a bin of their own, so the
-    empty-answer spike (loss masks of <= 6 tokens) is one bar, never blended with real answers."""
-    out = []
-    if split_at is not None:
-        low = [v for v in values if v <= split_at]
-        values = [v for v in values if v > split_at]
-        if low:
-            out.append({"start": min(low), "end": split_at, "count": len(low)})
-    if not values:
-        return out
-    lo, hi = min(values), max(values)
-    width = max(1, -(-(hi - lo + 1) // bins))
-    counts: dict[int, int] = {}
-    for v in values:
-        start = lo + (v - lo) // width * width
-        counts[start] = counts.get(start, 0) + 1
-    return out + [{"start": s, "end": s + width - 1, "count": counts.get(s, 0)} for s in range(lo, hi + 1, width)]
-
-
-def quality_report(run: Path, airflow_run: dict | None = None) -> dict:
-    quality = _json(run / "reports" / "quality.json")
-    plan = _json(run / "reports" / "plan.json") or {}
-    masks = _column(sorted((run / "tokenized").glob("summary-*.parquet")), "loss_mask_sum")
-    empty_at = (quality or {}).get("settings", {}).get("empty_mask_tokens", 6)
-    expectations = []
-    for e in (quality or {}).get("expectations", []):
-        kwargs = e.get("kwargs", {})
-        expectations.append({"expectation": e["expectation"],
-                             "column": kwargs.get("column") or kwargs.get("column_A") or "(table)",
-                             "threshold": threshold(e["expectation"], kwargs), "observed": e.get("observed"),
-                             "success": bool(e.get("success")), "error": e.get("error")})
-    by_stage = quarantine_by_stage(run)
-    state = run_state(run, airflow_run)
-    if quality is not None:
-        status = "passed" if quality.get("success") else "failed"
-    elif state["state"] == "failed":
-        status = "not validated: the run failed"
-    elif state["state"] == "success":
-        status = "not validated"
-    else:
-        status = "not validated yet"
-    return {
-        "run": run.name, "run_state": state, "status": status,
-        "prompts": plan.get("rows"), "samples": (quality or {}).get("samples"), "kept": (quality or {}).get("kept"),
-        "quarantined": sum(n for reasons in by_stage.values() for n in reasons.values()),
-        "quarantined_by_stage": by_stage,
-        "expectations": expectations, "statistics": (quality or {}).get("statistics", {}),
-        "loss_mask": {"samples": len(masks), "empty_at_or_below": empty_at,
-                      "empty": sum(1 for m in masks if m <= empty_at),
-                      "histogram": histogram(masks, split_at=empty_at)},
-        "data_docs": (run / "reports" / "data_docs" / "index.html").is_file(),
-    }
-
-
-# ------------------------------------------------------------------------------------------------ shards
-def _statuses(run: Path) -> dict[int, dict]:
-    out = {}
-    for path in sorted((run / "status").glob("shard-*.json")):
-        status = shard_status.read(path)
-        if status is not None:
-            out[int(status["shard"])] = status
-    return out
 
 
 def _planned_shards(run: Path) -> list[dict]:
@@ -309,25 +40,6 @@ def _checkpointed(run: Path) -> dict[int, int]:
         for path in _result_files(run / sub):
             out[_shard_of(path)] = out.get(_shard_of(path), 0) + _rows(path)
         _forget_missing(run / sub)
-    return out
-
-
-def _assignment(run: Path) -> dict:
-    """Several nodes: {node: {"shards": [...], ...}} from reports/assignment.json; {} for a one-node run."""
-    return (_json(run / "reports" / "assignment.json") or {}).get("nodes", {})
-
-
-def _generate_tis(run: Path, airflow_run: dict | None) -> dict[int, dict]:
-    """The generate task instance of each shard: `generate[i]` is shard i; with several nodes,
-    `<node>.generate[i]` is the node's i-th assigned shard."""
-    assignment, out = _assignment(run), {}
-    for t in (airflow_run or {}).get("tasks", []):
-        if t["task_id"] == "generate":
-            out[t["map_index"]] = t
-        elif t["task_id"].endswith(".generate") and t["map_index"] >= 0:
-            mine = assignment.get(t["task_id"].split(".")[0], {}).get("shards", [])
-            if t["map_index"] < len(mine):
-                out[mine[t["map_index"]]] = t
     return out
 
 
@@ -409,7 +121,6 @@ def incidents(run: Path, shard_rows: list[dict]) -> list[dict]:
     return sorted(out, key=lambda i: i["at"])
 
 
-# ------------------------------------------------------------------------------------------------ fleet
 def _completion_arrays(path: Path):
     table = pq.read_table(path, columns=["finished_at", "completion_tokens", "server"])
     finished = table.column("finished_at").to_numpy(zero_copy_only=False).astype(float)
