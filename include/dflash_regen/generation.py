@@ -194,7 +194,7 @@ class _Attempt:
 
     def __init__(self, paths: ShardPaths, total: int, done_before: int, failed_before: int, todo: int,
                  status: shard_status.ShardStatus | None, *, in_flight: int, expected_rps: float | None,
-                 run_prompts: int | None, servers_sharing: int):
+                 run_prompts: int | None, servers_sharing: int, started: float):
         self.paths, self.total, self.todo, self.status = paths, total, todo, status
         self.in_flight, self.expected_rps = in_flight, expected_rps  # the ETA's inputs
         self.run_prompts, self.servers_sharing = run_prompts, servers_sharing
@@ -202,8 +202,8 @@ class _Attempt:
         self.rows: list[dict] = []
         self.failures: list[dict] = []
         self.stats = {"completed": 0, "output_tokens": 0, "reasoning_tokens": 0, "quarantined": 0}
-        self.started = time.monotonic()
-        self.last_flush = self.last_log = self.started
+        self.started = started  # when the task began (reading the shard and asking the server count too)
+        self.last_flush = self.last_log = time.monotonic()
 
     @property
     def kept(self) -> int:
@@ -317,6 +317,7 @@ def generate_shard(paths: ShardPaths, server: Server, api_key: str, settings: Ge
     `expected_rps` (completions per second on one server, from the capacity plan) drives the ETA until the
     shard's own rate means something.
     """
+    started = time.monotonic()
     if (complete := _already_complete(paths, settings)) is not None:
         return complete
     table = pq.read_table(paths.prompts, columns=["sample_id", "messages", "tools", "prompt_tokens"])
@@ -340,7 +341,7 @@ def generate_shard(paths: ShardPaths, server: Server, api_key: str, settings: Ge
              paths.shard, server.name, table.num_rows, len(done_ids), len(failed_ids), len(todo), in_flight)
     attempt = _Attempt(paths, table.num_rows, len(done_ids), len(failed_ids), len(todo), status,
                        in_flight=in_flight, expected_rps=expected_rps, run_prompts=run_prompts,
-                       servers_sharing=servers_sharing)
+                       servers_sharing=servers_sharing, started=started)
     attempt.failures.extend({"location": sid, "stage": "generate", "reason": "too_long", "detail": why,
                              "sample_id": sid} for sid, why in too_long.items())
     gen = Generator(server, api_key, settings, in_flight, revision, fleet_dir)
