@@ -50,8 +50,10 @@ from dflash_regen.errors import (
     TransientError,
 )
 from dflash_regen.fleet import Server, healthy_servers, how_it_ended, is_alive, load_servers, log_tail, mark_unhealthy
-from dflash_regen.planning import QUARANTINE_SCHEMA, TokenCounter
+from dflash_regen.layout import COMPLETIONS, FAILURES, FleetFiles, RunLayout, new_part, shard_sources
+from dflash_regen.planning import TokenCounter
 from dflash_regen.prompts import Prompt
+from dflash_regen.schemas import COMPLETION, QUARANTINE
 from dflash_regen.sglang import ChatResult, make_session, stream_chat
 
 log = logging.getLogger(__name__)
@@ -60,18 +62,6 @@ THINK_MARKERS = ("<think>", "</think>")
 # A cut answer is closed by the chat template (`</think>`, `\n\n`, `<|im_end|>`, `\n`): leave it room within the
 # training length, so a sample cut by Param budget train_length still fits train_max_length once tokenized.
 TRAIN_BUDGET_RESERVE = 8
-COMPLETION_SCHEMA = pa.schema([
-    ("sample_id", pa.string()), ("shard", pa.int32()), ("server", pa.string()),
-    ("reasoning_content", pa.string()), ("content", pa.string()), ("tool_calls", pa.string()),
-    ("finish_reason", pa.string()), ("prompt_tokens", pa.int32()), ("completion_tokens", pa.int32()),
-    ("reasoning_tokens", pa.int32()), ("latency_s", pa.float32()), ("finished_at", pa.float64()),
-    ("attempt", pa.int16()),
-    ("max_tokens", pa.int32()), ("temperature", pa.float32()), ("top_p", pa.float32()), ("top_k", pa.int32()),
-    ("min_p", pa.float32()), ("presence_penalty", pa.float32()), ("seed", pa.int64()),
-    ("enable_thinking", pa.bool_()), ("served_model", pa.string()), ("model_revision", pa.string()),
-    ("reasoning_parser", pa.string()), ("think_marker_leak", pa.bool_()), ("empty_content", pa.bool_()),
-    ("assistant_turns", pa.string()), ("truncated_at_train_length", pa.bool_()),
-])
 
 
 class _Stopped(ServerUnhealthy):
@@ -80,7 +70,7 @@ class _Stopped(ServerUnhealthy):
 
 # ---------------------------------------------------------------------------------- where a shard failed
 def _failed_path(fleet_dir: Path, shard: int) -> Path:
-    return fleet_dir / f"failed-shard-{shard:05d}.json"
+    return FleetFiles(fleet_dir).failed_shard(shard)
 
 
 def record_failure(fleet_dir: Path, shard: int, server: Server, reason: str) -> None:
@@ -123,7 +113,7 @@ def lease_server(fleet_dir: Path, servers: list[Server], shard: int, wait_s: flo
         # Start at a shard-dependent server so parallel tasks spread out instead of racing for server 0.
         ordered = sorted(candidates, key=lambda s: (s.index - shard) % len(servers))
         for server in ordered:
-            fd = os.open(fleet_dir / f"lease-{server.index}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+            fd = os.open(FleetFiles(fleet_dir).lease_lock(server.index), os.O_RDWR | os.O_CREAT, 0o644)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -142,15 +132,10 @@ def lease_server(fleet_dir: Path, servers: list[Server], shard: int, wait_s: flo
 
 
 # ---------------------------------------------------------------------------------------------- checkpoints
-def _sources(folder: Path, target: Path) -> list[Path]:
-    """A merged shard file (if a crash hit between two merges) and every checkpoint part."""
-    parts = sorted(folder.glob("part-*.parquet")) if folder.is_dir() else []
-    return ([target] if target.is_file() else []) + parts
-
-
 def read_done(folder: Path, target: Path) -> set[str]:
+    """Sample ids of one shard already on disk, merged or in parts."""
     done: set[str] = set()
-    for path in _sources(folder, target):
+    for path in shard_sources(target, folder):
         done.update(pq.read_table(path, columns=["sample_id"]).column("sample_id").to_pylist())
     return done
 
@@ -158,7 +143,7 @@ def read_done(folder: Path, target: Path) -> set[str]:
 def write_part(folder: Path, rows: list[dict], schema: pa.Schema) -> None:
     if rows:
         table = pa.Table.from_pylist(rows, schema=schema)
-        atomic.write_table(table, folder / f"part-{time.time_ns():020d}-{uuid.uuid4().hex[:8]}.parquet")
+        atomic.write_table(table, new_part(folder, time.time_ns(), uuid.uuid4().hex[:8]))
 
 
 def merge_parts(folder: Path, target: Path, schema: pa.Schema) -> int:
@@ -170,7 +155,7 @@ def merge_parts(folder: Path, target: Path, schema: pa.Schema) -> int:
     target.parent.mkdir(parents=True, exist_ok=True)
     with open(target.with_name(f".{target.name}.lock"), "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # concurrent attempts merge one at a time (the lock dies with them)
-        sources = _sources(folder, target)
+        sources = shard_sources(target, folder)
         tables = [pq.read_table(p, schema=schema) for p in sources]
         table = pa.concat_tables(tables) if tables else schema.empty_table()
         ids = table.column("sample_id").to_pylist()
@@ -374,11 +359,9 @@ class ShardPaths:
     status: Path | None = None  # status/shard-XXXXX.json (shard_status)
 
     @classmethod
-    def of(cls, run_dir: Path, shard: int, prompts: Path) -> ShardPaths:
-        name = f"shard-{shard:05d}"
-        return cls(shard, prompts, run_dir / "completions" / name, run_dir / "failures" / name,
-                   run_dir / "completions" / f"{name}.parquet", run_dir / "failures" / f"{name}.parquet",
-                   shard_status.status_path(run_dir, shard))
+    def of(cls, layout: RunLayout, shard: int, prompts: Path) -> ShardPaths:
+        return cls(shard, prompts, layout.parts(COMPLETIONS, shard), layout.parts(FAILURES, shard),
+                   layout.merged(COMPLETIONS, shard), layout.merged(FAILURES, shard), layout.status(shard))
 
 
 def _server_facts(server: Server, api_key: str) -> tuple[int, str | None, int]:
@@ -478,8 +461,8 @@ def generate_shard(paths: ShardPaths, lease: Lease, api_key: str, settings: Gene
 
     def flush() -> None:
         nonlocal last_flush
-        write_part(paths.parts, pending_rows, COMPLETION_SCHEMA)
-        write_part(paths.failures, pending_failures, QUARANTINE_SCHEMA)
+        write_part(paths.parts, pending_rows, COMPLETION)
+        write_part(paths.failures, pending_failures, QUARANTINE)
         pending_rows.clear()
         pending_failures.clear()
         last_flush = time.monotonic()
@@ -551,8 +534,8 @@ def generate_shard(paths: ShardPaths, lease: Lease, api_key: str, settings: Gene
         # from None: the message carries the cause; a chain of requests/urllib3 errors would bury it.
         raise _shard_failed(paths.shard, server, error, fleet_dir, api_key, kept, table.num_rows, status) from None
     progress()
-    completed = merge_parts(paths.parts, paths.output, COMPLETION_SCHEMA)
-    quarantined = merge_parts(paths.failures, paths.failures_output, QUARANTINE_SCHEMA)
+    completed = merge_parts(paths.parts, paths.output, COMPLETION)
+    quarantined = merge_parts(paths.failures, paths.failures_output, QUARANTINE)
     if status:
         status.finish("done")
     log.info("shard %d complete on %s: %d completions, %d quarantined, %.1f s", paths.shard, server.name,

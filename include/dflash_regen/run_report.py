@@ -22,6 +22,7 @@ import pyarrow.parquet as pq
 from dflash_regen import shard_status
 from dflash_regen.config import safe_run_id
 from dflash_regen.errors import RunNotFound
+from dflash_regen.layout import COMPLETIONS, FAILURES, FleetFiles, RunLayout, runs_dir, shard_of
 
 HISTOGRAM_BINS = 40
 THROUGHPUT_POINTS = 60
@@ -35,7 +36,7 @@ ADVICE_MIN_GAIN = 0.02  # advise a relaunch only when it is predicted at least t
 
 def resolve_run(output_root: Path, run_id: str) -> Path:
     """The run folder for an Airflow run id; never a path outside `<output_root>/runs/`."""
-    runs = (output_root / "runs").resolve()
+    runs = runs_dir(output_root).resolve()
     try:
         name = safe_run_id(run_id)
     except ValueError as exc:
@@ -103,19 +104,6 @@ def _column(paths: list[Path], column: str) -> list:
     return _columns(paths, column)[0]
 
 
-def _result_files(folder: Path) -> list[Path]:
-    """Merged shard files plus checkpoint parts of shards not merged yet (a merged shard's parts repeat it)."""
-    merged = sorted(folder.glob("shard-*.parquet"))
-    done = {p.stem for p in merged}
-    return merged + sorted(p for d in folder.glob("shard-*") if d.is_dir() and d.name not in done
-                           for p in d.glob("*.parquet"))
-
-
-def _shard_of(path: Path) -> int:
-    name = path.stem if path.stem.startswith("shard-") else path.parent.name
-    return int(name.split("-")[1])
-
-
 # --------------------------------------------------------------------------------------------- run state
 def _ti_label(t: dict) -> str:
     return t["task_id"] + (f"[{t['map_index']}]" if t["map_index"] >= 0 else "")
@@ -128,10 +116,10 @@ def _first_line(text) -> str:
 def run_state(run: Path, airflow_run: dict | None) -> dict:
     """The run's state, dates, failed tasks with their first error line where the folder has it, and where it
     stopped; from Airflow when it knows the run, else what the folder alone can tell."""
-    reports = run / "reports"
-    errors = {"health_check": _first_line((_json(reports / "health.json") or {}).get("error")),
-              "smoke_test": _first_line((_json(reports / "smoke.json") or {}).get("error"))}
-    quality = _json(reports / "quality.json")
+    layout = RunLayout(run)
+    errors = {"health_check": _first_line((_json(layout.report("health")) or {}).get("error")),
+              "smoke_test": _first_line((_json(layout.report("smoke")) or {}).get("error"))}
+    quality = _json(layout.report("quality"))
     if quality is not None and not quality.get("success"):
         failed = [f"{e['expectation']} {e.get('kwargs', {}).get('column', '')}: observed {e.get('observed')}"
                   for e in quality.get("expectations", []) if not e.get("success")]
@@ -168,7 +156,7 @@ def run_state(run: Path, airflow_run: dict | None) -> dict:
 
 def list_runs(output_root: Path, airflow_runs: list[dict] | None = None) -> dict:
     """Airflow's runs of the DAG with their folder's counts, and folders no Airflow run matches."""
-    folders = {p.name: p for p in (output_root / "runs").glob("*") if p.is_dir()}
+    folders = {p.name: p for p in runs_dir(output_root).glob("*") if p.is_dir()}
     rows = []
     for r in airflow_runs or []:
         folder = folders.pop(safe_run_id(r["run_id"]), None)
@@ -180,12 +168,13 @@ def list_runs(output_root: Path, airflow_runs: list[dict] | None = None) -> dict
 
 
 def _run_counts(run: Path) -> dict:
-    plan = _json(run / "reports" / "plan.json") or {}
-    quality = _json(run / "reports" / "quality.json")
+    layout = RunLayout(run)
+    plan = _json(layout.report("plan")) or {}
+    quality = _json(layout.report("quality"))
     return {"prompts": plan.get("rows"), "published": (quality or {}).get("kept"),
             "quarantined": None if quality is None else plan.get("rows", 0) - quality.get("kept", 0),
             "quality": None if quality is None else bool(quality.get("success")),
-            "data_docs": (run / "reports" / "data_docs" / "index.html").is_file()}
+            "data_docs": layout.data_docs_index.is_file()}
 
 
 # ------------------------------------------------------------------------------------------ data quality
@@ -220,9 +209,10 @@ def threshold(expectation: str, kwargs: dict) -> str:
 
 def quarantine_by_stage(run: Path) -> dict[str, dict[str, int]]:
     """Quarantined rows per stage (planning, generation, quality gate) and reason."""
-    stages = {"planning": [run / "failures" / "plan.parquet"],
-              "generation": sorted((run / "failures").glob("shard-*.parquet")),
-              "quality gate": [run / "quality" / "quarantine.parquet"]}
+    layout = RunLayout(run)
+    stages = {"planning": [layout.planning_quarantine],
+              "generation": layout.merged_files(FAILURES),
+              "quality gate": [layout.gate_quarantine]}
     out = {}
     for stage, paths in stages.items():
         counts: dict[str, int] = {}
@@ -253,9 +243,10 @@ def histogram(values: list[int], bins: int = HISTOGRAM_BINS, split_at: int | Non
 
 
 def quality_report(run: Path, airflow_run: dict | None = None) -> dict:
-    quality = _json(run / "reports" / "quality.json")
-    plan = _json(run / "reports" / "plan.json") or {}
-    masks = _column(sorted((run / "tokenized").glob("summary-*.parquet")), "loss_mask_sum")
+    layout = RunLayout(run)
+    quality = _json(layout.report("quality"))
+    plan = _json(layout.report("plan")) or {}
+    masks = _column(layout.summary_files(), "loss_mask_sum")
     empty_at = (quality or {}).get("settings", {}).get("empty_mask_tokens", 6)
     expectations = []
     for e in (quality or {}).get("expectations", []):
@@ -283,14 +274,14 @@ def quality_report(run: Path, airflow_run: dict | None = None) -> dict:
         "loss_mask": {"samples": len(masks), "empty_at_or_below": empty_at,
                       "empty": sum(1 for m in masks if m <= empty_at),
                       "histogram": histogram(masks, split_at=empty_at)},
-        "data_docs": (run / "reports" / "data_docs" / "index.html").is_file(),
+        "data_docs": layout.data_docs_index.is_file(),
     }
 
 
 # ------------------------------------------------------------------------------------------------ shards
 def _statuses(run: Path) -> dict[int, dict]:
     out = {}
-    for path in sorted((run / "status").glob("shard-*.json")):
+    for path in RunLayout(run).status_files():
         status = shard_status.read(path)
         if status is not None:
             out[int(status["shard"])] = status
@@ -298,23 +289,24 @@ def _statuses(run: Path) -> dict[int, dict]:
 
 
 def _planned_shards(run: Path) -> list[dict]:
-    plan = _cached(run / "shards" / "plan.json", "json", lambda p: json.loads(p.read_text())) or {}
+    plan = _cached(RunLayout(run).plan, "json", lambda p: json.loads(p.read_text())) or {}
     return plan.get("shards", [])
 
 
 def _checkpointed(run: Path) -> dict[int, int]:
     """Rows on disk per shard: completions and prompts a server refused, merged or still in parts."""
     out: dict[int, int] = {}
-    for sub in ("completions", "failures"):
-        for path in _result_files(run / sub):
-            out[_shard_of(path)] = out.get(_shard_of(path), 0) + _rows(path)
-        _forget_missing(run / sub)
+    layout = RunLayout(run)
+    for kind in (COMPLETIONS, FAILURES):
+        for path in layout.result_files(kind):
+            out[shard_of(path)] = out.get(shard_of(path), 0) + _rows(path)
+        _forget_missing(layout.results_dir(kind))
     return out
 
 
 def _assignment(run: Path) -> dict:
     """Several nodes: {node: {"shards": [...], ...}} from reports/assignment.json; {} for a one-node run."""
-    return (_json(run / "reports" / "assignment.json") or {}).get("nodes", {})
+    return (_json(RunLayout(run).report("assignment")) or {}).get("nodes", {})
 
 
 def _generate_tis(run: Path, airflow_run: dict | None) -> dict[int, dict]:
@@ -329,12 +321,6 @@ def _generate_tis(run: Path, airflow_run: dict | None) -> dict[int, dict]:
             if t["map_index"] < len(mine):
                 out[mine[t["map_index"]]] = t
     return out
-
-
-def _fleet_dirs(run: Path) -> list[Path]:
-    """fleet/, or fleet/<node>/ for each node of a run on several nodes."""
-    nodes = sorted(p for p in (run / "fleet").glob("*") if p.is_dir())
-    return nodes or [run / "fleet"]
 
 
 def _attempt_outcome(attempt: dict, later: bool, ti_state: str | None) -> str:
@@ -363,7 +349,7 @@ def shards(run: Path, airflow_run: dict | None = None, now: float | None = None)
         last = attempts[-1] if attempts else {}
         state = (ti or {}).get("state") or (outcomes[-1] if outcomes else None)
         if state is None:
-            state = "done" if (run / "completions" / f"shard-{n:05d}.parquet").is_file() else "waiting"
+            state = "done" if RunLayout(run).merged(COMPLETIONS, n).is_file() else "waiting"
         seconds = (last.get("updated_at") or 0) - (last.get("started_at") or 0)
         done = max(on_disk.get(n, 0), status.get("done", 0) + status.get("quarantined", 0))
         rows.append({"shard": n, "state": state, "server": last.get("server"), "attempts": len(attempts),
@@ -393,14 +379,14 @@ def incidents(run: Path, shard_rows: list[dict]) -> list[dict]:
                 out.append({"at": a["updated_at"], "kind": "shard failed",
                             "text": f"shard {row['shard']} on {a['server']} stopped without a word after "
                                     f"{a['done']:,} done (its task process was killed?)"})
-    fleets = _fleet_dirs(run)
-    for marker in sorted(m for fleet in fleets for m in fleet.glob("unhealthy-*")):
+    fleets = [FleetFiles(d) for d in RunLayout(run).fleet_dirs()]
+    for marker in sorted(m for fleet in fleets for m in fleet.unhealthy_markers()):
         try:
             reason, at = _first_line(marker.read_text()), marker.stat().st_mtime
         except OSError:
             continue
         out.append({"at": at, "kind": "server unhealthy", "text": reason})
-    launches = [r.get("launched_at") for r in (_json(p) for f in fleets for p in f.glob("server-*.json")) if r]
+    launches = [r.get("launched_at") for r in (_json(p) for f in fleets for p in f.server_specs()) if r]
     first_attempt = min((a["started_at"] for row in shard_rows for a in row["history"]), default=None)
     launches = [t for t in launches if t]
     if launches and first_attempt is not None and min(launches) > first_attempt:
@@ -484,7 +470,7 @@ def progress(run: Path, shard_rows: list[dict], state: dict, capacity: dict | No
     """Prompts done of those planned (checkpointed, plus what running shards report from memory), the rate
     since the first shard started, and the ETA (the capacity plan's until the fleet has finished anything)."""
     now = time.time() if now is None else now
-    plan = _json(run / "reports" / "plan.json") or {}
+    plan = _json(RunLayout(run).report("plan")) or {}
     total = plan.get("accepted")
     done = sum(r["done"] for r in shard_rows)
     first = [r["history"][0] for r in shard_rows if r["history"]]
@@ -561,19 +547,19 @@ def _servers(health: dict, smoke: dict, node: str = "") -> list[dict]:
 def nodes_report(run: Path, shard_rows: list[dict]) -> list[dict]:
     """Several nodes: per node its gates, share of the run (assigned, predicted) and progress (done, measured:
     first shard started to last shard ended or now); [] for a one-node run."""
-    folder = run / "reports" / "nodes"
-    names = sorted(p.name for p in folder.glob("*") if p.is_dir())
+    layout = RunLayout(run)
+    names = layout.report_nodes()
     assignment = _assignment(run)
     rows_by_shard = {r["shard"]: r for r in shard_rows}
     out = []
     for name in names:
-        health, smoke = _json(folder / name / "health.json") or {}, _json(folder / name / "smoke.json") or {}
+        health, smoke = _json(layout.node_report("health", name)) or {}, _json(layout.node_report("smoke", name)) or {}
         assigned = assignment.get(name, {})
         mine = [rows_by_shard[n] for n in assigned.get("shards", []) if n in rows_by_shard]
         attempts = [a for r in mine for a in r["history"]]
         start = min((a["started_at"] for a in attempts), default=None)
         end = max((a.get("ended_at") or a["updated_at"] for a in attempts), default=None)
-        left_out = (_json(folder / name / "left_out.json") or {}).get("error")
+        left_out = (_json(layout.node_report("left_out", name)) or {}).get("error")
         out.append({"node": name, "health_passed": health.get("passed"), "smoke_passed": smoke.get("passed"),
                     "left_out": left_out, "servers": len(health.get("servers", [])),
                     "shards": len(assigned.get("shards", [])), "prompts": assigned.get("prompts"),
@@ -586,17 +572,17 @@ def nodes_report(run: Path, shard_rows: list[dict]) -> list[dict]:
 
 def fleet_report(run: Path, airflow_run: dict | None = None, now: float | None = None) -> dict:
     now = time.time() if now is None else now
-    reports = run / "reports"
-    health = _json(reports / "health.json") or {}
-    smoke = _json(reports / "smoke.json") or {}
-    capacity = _json(reports / "capacity.json")
+    layout = RunLayout(run)
+    health = _json(layout.report("health")) or {}
+    smoke = _json(layout.report("smoke")) or {}
+    capacity = _json(layout.report("capacity"))
     servers = _servers(health, smoke)
     state = run_state(run, airflow_run)
     shard_rows = shards(run, airflow_run, now)
     nodes = nodes_report(run, shard_rows)
     for node in nodes:  # several nodes: every node's servers, the gates passed only if every node's did
-        folder = reports / "nodes" / node["node"]
-        servers += _servers(_json(folder / "health.json") or {}, _json(folder / "smoke.json") or {}, node["node"])
+        health_file, smoke_file = layout.node_report("health", node["node"]), layout.node_report("smoke", node["node"])
+        servers += _servers(_json(health_file) or {}, _json(smoke_file) or {}, node["node"])
     if nodes:
         health = {"passed": all(n["health_passed"] for n in nodes) if all(n["health_passed"] is not None
                                                                           for n in nodes) else None}
@@ -604,7 +590,7 @@ def fleet_report(run: Path, airflow_run: dict | None = None, now: float | None =
                                                                          for n in nodes) else None}
     events = incidents(run, shard_rows)
     by_server: dict[str, list] = {}
-    for path in _result_files(run / "completions"):
+    for path in layout.result_files(COMPLETIONS):
         for name, arrays in (_cached(path, "throughput", _completion_arrays) or {}).items():
             by_server.setdefault(name, []).append(arrays)
     merged = {name: (np.concatenate([f for f, _ in parts]), np.concatenate([t for _, t in parts]))
@@ -620,4 +606,4 @@ def fleet_report(run: Path, airflow_run: dict | None = None, now: float | None =
             "shards": shard_rows, "shards_listed": listed, "incidents": events,
             "throughput": throughput_series(merged, events),
             "kv": kv_headroom(health, capacity), "advice": capacity_advice(capacity), "capacity": capacity,
-            "autotune": _json(reports / "autotune.json")}
+            "autotune": _json(layout.report("autotune"))}
