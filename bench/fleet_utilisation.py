@@ -99,7 +99,7 @@ def main() -> None:
 
         def ours() -> tuple[int, int]:
             def one(shard):
-                paths = generation.ShardPaths.of(cfg.run_dir, shard["shard"], Path(shard["path"]))
+                paths = generation.ShardPaths.of(cfg.layout, shard["shard"], Path(shard["path"]))
                 lease = generation.lease_server(cfg.fleet_dir, fl.servers, shard["shard"], wait_s=60)
                 try:
                     return generation.generate_shard(paths, lease, fl.key, cfg.generation, fleet_dir=cfg.fleet_dir)
