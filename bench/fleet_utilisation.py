@@ -99,7 +99,7 @@ def main() -> None:
 
         def ours() -> tuple[int, int]:
             def one(shard):
-                paths = generation.ShardPaths.of(cfg.run_dir, shard["shard"], Path(shard["path"]))
+                paths = generation.ShardPaths.of(cfg.layout, shard["shard"], Path(shard["path"]))
                 with fleet.lease(cfg.fleet_dir, fl.servers, shard["shard"], wait_s=60) as server:
                     return generation.generate_shard(paths, server, fl.key, cfg.generation, fleet_dir=cfg.fleet_dir)
 

@@ -11,9 +11,15 @@ def states(dag_run) -> dict[str, str]:
     return {task: ",".join(sorted(s)) for task, s in got.items()}
 
 
-def run_dir_of(conf, dag_run) -> Path:
+def layout_of(conf, dag_run):
+    """The RunLayout of a dag.test() run."""
     from dflash_regen.config import safe_run_id
+    from dflash_regen.layout import RunLayout
 
-    return Path(conf["output_root"]) / "runs" / safe_run_id(dag_run.run_id)
+    return RunLayout.of(Path(conf["output_root"]), safe_run_id(dag_run.run_id))
+
+
+def run_dir_of(conf, dag_run) -> Path:
+    return layout_of(conf, dag_run).run_dir
 
 

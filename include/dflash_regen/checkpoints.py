@@ -1,5 +1,5 @@
-"""A shard's checkpoints: finished rows in parts (`<folder>/part-*.parquet`, tmp + rename), merged once into one
-file holding each sample once. What is done is the merged file (if a crash hit between two merges) plus every part.
+"""A shard's checkpoints: finished rows in parts (tmp + rename), merged once into one file holding each sample once.
+What is done is the merged file plus every part (`layout.shard_sources`, the checkpoint rule).
 """
 
 from __future__ import annotations
@@ -13,17 +13,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from dflash_regen import atomic
-
-
-def _sources(folder: Path, target: Path) -> list[Path]:
-    """A merged shard file (if a crash hit between two merges) and every checkpoint part."""
-    parts = sorted(folder.glob("part-*.parquet")) if folder.is_dir() else []
-    return ([target] if target.is_file() else []) + parts
+from dflash_regen.layout import new_part, shard_sources
 
 
 def read_done(folder: Path, target: Path) -> set[str]:
+    """Sample ids of one shard already on disk, merged or in parts."""
     done: set[str] = set()
-    for path in _sources(folder, target):
+    for path in shard_sources(target, folder):
         done.update(pq.read_table(path, columns=["sample_id"]).column("sample_id").to_pylist())
     return done
 
@@ -31,7 +27,7 @@ def read_done(folder: Path, target: Path) -> set[str]:
 def write_part(folder: Path, rows: list[dict], schema: pa.Schema) -> None:
     if rows:
         table = pa.Table.from_pylist(rows, schema=schema)
-        atomic.write_table(table, folder / f"part-{time.time_ns():020d}-{uuid.uuid4().hex[:8]}.parquet")
+        atomic.write_table(table, new_part(folder, time.time_ns(), uuid.uuid4().hex[:8]))
 
 
 def merge_parts(folder: Path, target: Path, schema: pa.Schema) -> int:
@@ -43,7 +39,7 @@ def merge_parts(folder: Path, target: Path, schema: pa.Schema) -> int:
     target.parent.mkdir(parents=True, exist_ok=True)
     with open(target.with_name(f".{target.name}.lock"), "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # concurrent attempts merge one at a time (the lock dies with them)
-        sources = _sources(folder, target)
+        sources = shard_sources(target, folder)
         tables = [pq.read_table(p, schema=schema) for p in sources]
         table = pa.concat_tables(tables) if tables else schema.empty_table()
         ids = table.column("sample_id").to_pylist()

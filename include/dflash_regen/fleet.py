@@ -28,12 +28,12 @@ from pathlib import Path
 
 from dflash_regen.config import FleetConfig
 from dflash_regen.errors import FleetError, LaunchRefused, NoServerFree
+from dflash_regen.layout import FleetFiles
 from dflash_regen.preflight import preflight
 from dflash_regen.sglang import Api, Dialect
 
 log = logging.getLogger(__name__)
 
-API_KEY_FILE = "api_key"
 API_KEY_ENV = "DFLASH_SGLANG_API_KEY"
 REDACTED = "***"
 
@@ -62,14 +62,6 @@ class Server:
         return f"server {self.index} (GPU {self.gpu}, {self.host}:{self.port})"
 
 
-def spec_path(fleet_dir: Path, index: int) -> Path:
-    return fleet_dir / f"server-{index}.json"
-
-
-def exit_path(fleet_dir: Path, index: int) -> Path:
-    return fleet_dir / f"exit-{index}.json"
-
-
 def how_it_ended(fleet_dir: Path, server: Server, wait_s: float = 0.0) -> str:
     """'was killed by SIGKILL', 'exited with code 1', or '' while the process runs. A caller that just lost
     its connections waits up to `wait_s`: a dying process still looks alive until the kernel has closed
@@ -77,7 +69,7 @@ def how_it_ended(fleet_dir: Path, server: Server, wait_s: float = 0.0) -> str:
     deadline = time.monotonic() + wait_s
     while True:
         try:
-            record = json.loads(exit_path(fleet_dir, server.index).read_text())
+            record = json.loads(FleetFiles(fleet_dir).exit_record(server.index).read_text())
         except (FileNotFoundError, ValueError):
             record = None
         if record and record.get("pid") == server.pid:
@@ -94,7 +86,7 @@ def ensure_api_key(fleet_dir: Path) -> str:
     """The key from the environment (a deployment secret) or a fresh random one, kept 0600 in the fleet dir."""
     key = os.environ.get(API_KEY_ENV) or secrets.token_hex(24)
     fleet_dir.mkdir(parents=True, exist_ok=True)
-    path = fleet_dir / API_KEY_FILE
+    path = FleetFiles(fleet_dir).api_key
     tmp = path.with_name(path.name + ".tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
@@ -104,7 +96,7 @@ def ensure_api_key(fleet_dir: Path) -> str:
 
 
 def read_api_key(fleet_dir: Path) -> str:
-    path = fleet_dir / API_KEY_FILE
+    path = FleetFiles(fleet_dir).api_key
     if not path.is_file():
         raise FleetError(f"no API key in {path}: the fleet of this run was never launched; run launch_fleet")
     return path.read_text().strip()
@@ -130,12 +122,12 @@ def plan_servers(cfg: FleetConfig, model_path: Path, fleet_dir: Path, api_key: s
                  dialect: Dialect | None = None) -> list[Server]:
     """One argv per server, with the flags in the names of the SGLang version that will run them."""
     flags = dialect.launch_flags(list(cfg.flags)) if dialect else list(cfg.flags)
-    servers = []
+    servers, files = [], FleetFiles(fleet_dir)
     for i in range(cfg.num_servers):
         argv = [*cfg.server_argv, "--model-path", str(model_path), "--served-model-name", cfg.served_model_name,
                 # '=' form: a key that starts with '-' would otherwise read as a flag to argparse.
                 "--host", cfg.host, "--port", str(cfg.port(i)), f"--api-key={api_key}", *flags]
-        servers.append(Server(i, cfg.gpu_ids[i], cfg.host, cfg.port(i), argv, str(fleet_dir / f"server-{i}.log")))
+        servers.append(Server(i, cfg.gpu_ids[i], cfg.host, cfg.port(i), argv, str(files.server_log(i))))
     return servers
 
 
@@ -174,7 +166,8 @@ def start_server(server: Server, base_env: dict[str, str], fleet_dir: Path,
     env["CUDA_VISIBLE_DEVICES"] = server.gpu
     env["PYTHONUNBUFFERED"] = "1"
     log.info("launching %s: %s", server.name, redact(shlex.join(server.argv), api_key))
-    watch = [sys.executable, "-m", "dflash_regen.server_watch", str(exit_path(fleet_dir, server.index))]
+    exit_record = FleetFiles(fleet_dir).exit_record(server.index)
+    watch = [sys.executable, "-m", "dflash_regen.server_watch", str(exit_record)]
     with open(server.log_path, "ab") as logf:
         offset = logf.tell()
         proc = subprocess.Popen([*watch, *server.argv], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
@@ -190,7 +183,7 @@ def start_server(server: Server, base_env: dict[str, str], fleet_dir: Path,
                          "log_offset": offset})
     record = {**asdict(launched), "argv": [redact(a, api_key) for a in launched.argv],
               "env": base_env, "launched_at": time.time()}
-    path = spec_path(fleet_dir, server.index)
+    path = FleetFiles(fleet_dir).server_spec(server.index)
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(record, indent=1))
     os.replace(tmp, path)
@@ -199,7 +192,7 @@ def start_server(server: Server, base_env: dict[str, str], fleet_dir: Path,
 
 def load_servers(fleet_dir: Path) -> list[Server]:
     servers = []
-    for path in sorted(fleet_dir.glob("server-*.json"), key=lambda p: int(p.stem.split("-")[1])):
+    for path in FleetFiles(fleet_dir).server_specs():
         record = json.loads(path.read_text())
         servers.append(Server(**{k: record[k] for k in Server.__dataclass_fields__ if k in record}))
     return servers
@@ -251,17 +244,13 @@ def stop_fleet(fleet_dir: Path) -> list[str]:
     return stopped
 
 
-def _unhealthy_path(fleet_dir: Path, index: int) -> Path:
-    return fleet_dir / f"unhealthy-{index}"
-
-
 def mark_unhealthy(fleet_dir: Path, server: Server, reason: str) -> None:
-    _unhealthy_path(fleet_dir, server.index).write_text(reason)
+    FleetFiles(fleet_dir).unhealthy(server.index).write_text(reason)
     log.warning("marked %s unhealthy: %s", server.name, reason)
 
 
 def healthy_servers(fleet_dir: Path, servers: list[Server]) -> list[Server]:
-    return [s for s in servers if is_alive(s) and not _unhealthy_path(fleet_dir, s.index).exists()]
+    return [s for s in servers if is_alive(s) and not FleetFiles(fleet_dir).unhealthy(s.index).exists()]
 
 
 # ------------------------------------------------------------------------------------------------- leases
@@ -295,7 +284,7 @@ def _take_lease(fleet_dir: Path, servers: list[Server], shard: int, wait_s: floa
         # Start at a shard-dependent server so parallel tasks spread out instead of racing for server 0.
         ordered = sorted(candidates, key=lambda s: (s.index - shard) % len(servers))
         for server in ordered:
-            fd = os.open(fleet_dir / f"lease-{server.index}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+            fd = os.open(FleetFiles(fleet_dir).lease_lock(server.index), os.O_RDWR | os.O_CREAT, 0o644)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -372,7 +361,7 @@ def launch_fleet(cfg: FleetConfig, model_path: Path, fleet_dir: Path) -> list[Se
     leftovers = stop_fleet(fleet_dir)  # a re-run of this run's setup after a crash or a cleared shard
     if leftovers:
         log.warning("stopped %d servers left running by an earlier attempt of this run", len(leftovers))
-    for marker in [*fleet_dir.glob("unhealthy-*"), *fleet_dir.glob("exit-*.json")]:  # a fresh fleet
+    for marker in FleetFiles(fleet_dir).launch_markers():  # a fresh fleet
         marker.unlink()
     api_key = ensure_api_key(fleet_dir)
     dialect = preflight(cfg, plan_servers(cfg, model_path, fleet_dir, api_key), model_path)

@@ -28,7 +28,6 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-import pyarrow as pa
 import pyarrow.parquet as pq
 
 from dflash_regen import atomic, capacity, sglang, shard_status
@@ -56,33 +55,22 @@ from dflash_regen.fleet import (
     read_api_key,
 )
 from dflash_regen.generator import Generator, Stopped, chat_payload, sample_seed
-from dflash_regen.planning import QUARANTINE_SCHEMA, TokenCounter
+from dflash_regen.layout import COMPLETIONS, FAILURES, FleetFiles, RunLayout
+from dflash_regen.planning import TokenCounter
 from dflash_regen.prompts import Prompt
+from dflash_regen.schemas import COMPLETION, QUARANTINE
 
 # Also here for the callers that know them as generation's (tests, bench): the request and checkpoint rules.
-__all__ = ["COMPLETION_SCHEMA", "Generator", "ShardPaths", "chat_payload", "generate_shard", "healthy_servers",
+__all__ = ["Generator", "ShardPaths", "chat_payload", "generate_shard", "healthy_servers",
            "merge_parts", "read_done", "record_failure", "run_shard", "sample_seed", "servers_failed_on",
            "write_part"]
 
 log = logging.getLogger(__name__)
 
-COMPLETION_SCHEMA = pa.schema([
-    ("sample_id", pa.string()), ("shard", pa.int32()), ("server", pa.string()),
-    ("reasoning_content", pa.string()), ("content", pa.string()), ("tool_calls", pa.string()),
-    ("finish_reason", pa.string()), ("prompt_tokens", pa.int32()), ("completion_tokens", pa.int32()),
-    ("reasoning_tokens", pa.int32()), ("latency_s", pa.float32()), ("finished_at", pa.float64()),
-    ("attempt", pa.int16()),
-    ("max_tokens", pa.int32()), ("temperature", pa.float32()), ("top_p", pa.float32()), ("top_k", pa.int32()),
-    ("min_p", pa.float32()), ("presence_penalty", pa.float32()), ("seed", pa.int64()),
-    ("enable_thinking", pa.bool_()), ("served_model", pa.string()), ("model_revision", pa.string()),
-    ("reasoning_parser", pa.string()), ("think_marker_leak", pa.bool_()), ("empty_content", pa.bool_()),
-    ("assistant_turns", pa.string()), ("truncated_at_train_length", pa.bool_()),
-])
-
 
 # ---------------------------------------------------------------------------------- where a shard failed
 def _failed_path(fleet_dir: Path, shard: int) -> Path:
-    return fleet_dir / f"failed-shard-{shard:05d}.json"
+    return FleetFiles(fleet_dir).failed_shard(shard)
 
 
 def record_failure(fleet_dir: Path, shard: int, server: Server, reason: str) -> None:
@@ -135,11 +123,9 @@ class ShardPaths:
     status: Path | None = None  # status/shard-XXXXX.json (shard_status)
 
     @classmethod
-    def of(cls, run_dir: Path, shard: int, prompts: Path) -> ShardPaths:
-        name = f"shard-{shard:05d}"
-        return cls(shard, prompts, run_dir / "completions" / name, run_dir / "failures" / name,
-                   run_dir / "completions" / f"{name}.parquet", run_dir / "failures" / f"{name}.parquet",
-                   shard_status.status_path(run_dir, shard))
+    def of(cls, layout: RunLayout, shard: int, prompts: Path) -> ShardPaths:
+        return cls(shard, prompts, layout.parts(COMPLETIONS, shard), layout.parts(FAILURES, shard),
+                   layout.merged(COMPLETIONS, shard), layout.merged(FAILURES, shard), layout.status(shard))
 
 
 def _server_facts(server: Server, api_key: str) -> tuple[int, str | None, int]:
@@ -210,8 +196,8 @@ class _Attempt:
         return self.done_before + self.failed_before + self.stats["completed"] + self.stats["quarantined"]
 
     def flush(self) -> None:
-        write_part(self.paths.parts, self.rows, COMPLETION_SCHEMA)
-        write_part(self.paths.failures, self.failures, QUARANTINE_SCHEMA)
+        write_part(self.paths.parts, self.rows, COMPLETION)
+        write_part(self.paths.failures, self.failures, QUARANTINE)
         self.rows.clear()
         self.failures.clear()
         self.last_flush = time.monotonic()
@@ -360,8 +346,8 @@ def generate_shard(paths: ShardPaths, server: Server, api_key: str, settings: Ge
 
 def _merge(paths: ShardPaths, server: Server, attempt: _Attempt, settings: GenerationSettings) -> dict:
     """The shard's one completion file and one quarantine file, from every part; the counts for XCom."""
-    completed = merge_parts(paths.parts, paths.output, COMPLETION_SCHEMA)
-    quarantined = merge_parts(paths.failures, paths.failures_output, QUARANTINE_SCHEMA)
+    completed = merge_parts(paths.parts, paths.output, COMPLETION)
+    quarantined = merge_parts(paths.failures, paths.failures_output, QUARANTINE)
     if attempt.status:
         attempt.status.finish("done")
     log.info("shard %d complete on %s: %d completions, %d quarantined, %.1f s", paths.shard, server.name,
@@ -379,7 +365,7 @@ def run_shard(cfg: RunConfig, shard: dict) -> dict:
     apply_advised_concurrency, its advised concurrency; returns counts for XCom."""
     servers = load_servers(cfg.fleet_dir)
     key = read_api_key(cfg.fleet_dir)
-    paths = ShardPaths.of(cfg.run_dir, shard["shard"], Path(shard["path"]))
+    paths = ShardPaths.of(cfg.layout, shard["shard"], Path(shard["path"]))
     settings, expected_rps = cfg.generation, None
     planned = capacity.read_report(cfg.node_reports_dir)
     if planned:

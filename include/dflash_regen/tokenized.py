@@ -3,7 +3,7 @@
 Reads the shard's prompts and completions, builds each sample's training conversation, tokenizes it with
 the model's own chat template (`tokenize.tokenize_sample`), and writes, each atomically:
 `tokenized/shard-XXXXX.parquet` (ids and mask), `tokenized/summary-XXXXX.parquet` (one quality row per
-sample, `quality.SUMMARY_COLUMNS`) and `tokenized/conversations-XXXXX.jsonl` (SpecForge records).
+sample, `schemas.SUMMARY`) and `tokenized/conversations-XXXXX.jsonl` (SpecForge records).
 A shard whose three files exist is not redone.
 """
 
@@ -18,32 +18,16 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from dflash_regen import atomic, conversation
+from dflash_regen.layout import RunLayout
 from dflash_regen.quality import repetition_score
+from dflash_regen.schemas import SUMMARY, TOKENIZED
 from dflash_regen.tokenize import summarize_mask, tokenize_sample
 
 log = logging.getLogger(__name__)
 
-TOKENIZED_SCHEMA = pa.schema([("sample_id", pa.string()), ("input_ids", pa.list_(pa.int32())),
-                              ("loss_mask", pa.list_(pa.int8())), ("n_tokens", pa.int32()),
-                              ("loss_mask_sum", pa.int32())])
-SUMMARY_SCHEMA = pa.schema([("sample_id", pa.string()), ("n_tokens", pa.int32()), ("mask_len", pa.int32()),
-                            ("loss_mask_sum", pa.int32()), ("finish_reason", pa.string()),
-                            ("content_chars", pa.int32()), ("reasoning_tokens", pa.int32()),
-                            ("content_tokens", pa.int32()), ("think_marker_leak", pa.bool_()),
-                            ("tool_call_expected", pa.bool_()), ("tool_call_present", pa.bool_()),
-                            ("repetition_score", pa.float32()), ("enable_thinking", pa.bool_()),
-                            ("history_from_input", pa.bool_()), ("truncated_at_train_length", pa.bool_())])
-
-
-def outputs(out_dir: Path, shard: int) -> tuple[Path, Path, Path]:
-    name = f"{shard:05d}"
-    return (out_dir / f"shard-{name}.parquet", out_dir / f"summary-{name}.parquet",
-            out_dir / f"conversations-{name}.jsonl")
-
-
-def tokenize_shard(prompts_path: Path, completions_path: Path, out_dir: Path, shard: int, tokenizer, *,
+def tokenize_shard(prompts_path: Path, completions_path: Path, layout: RunLayout, shard: int, tokenizer, *,
                    include_reasoning: bool) -> dict:
-    tokens_path, summary_path, conv_path = outputs(out_dir, shard)
+    tokens_path, summary_path, conv_path = layout.tokenized(shard), layout.summary(shard), layout.conversations(shard)
     if tokens_path.is_file() and summary_path.is_file() and conv_path.is_file():
         return {"shard": shard, "samples": pq.read_metadata(tokens_path).num_rows, "skipped": True}
     started = time.monotonic()
@@ -70,8 +54,8 @@ def tokenize_shard(prompts_path: Path, completions_path: Path, out_dir: Path, sh
             "truncated_at_train_length": bool(row.get("truncated_at_train_length")),
         })
         records.append(json.dumps(conversation.specforge_record(row["sample_id"], turns, tools), ensure_ascii=False))
-    atomic.write_table(pa.Table.from_pylist(tokenized, schema=TOKENIZED_SCHEMA), tokens_path)
-    atomic.write_table(pa.Table.from_pylist(summary, schema=SUMMARY_SCHEMA), summary_path)
+    atomic.write_table(pa.Table.from_pylist(tokenized, schema=TOKENIZED), tokens_path)
+    atomic.write_table(pa.Table.from_pylist(summary, schema=SUMMARY), summary_path)
     atomic.write_lines(conv_path, records)
     n_tokens = sum(r["n_tokens"] for r in tokenized)
     seconds = time.monotonic() - started

@@ -15,9 +15,10 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 from conftest import tmpfs
-from dag_helpers import run_dir_of, states
+from dag_helpers import layout_of, states
 
 from dflash_regen.demo_prompts import demo_rows
+from dflash_regen.layout import COMPLETIONS
 
 pytestmark = pytest.mark.usefixtures("no_leftover_servers")
 
@@ -35,11 +36,11 @@ def published_versions(conf) -> list[Path]:
 
 
 def check_invariants(conf, dag_run, *, published: bool) -> dict:
-    run_dir = run_dir_of(conf, dag_run)
-    ids = [sid for p in sorted((run_dir / "completions").glob("shard-*.parquet"))
+    run = layout_of(conf, dag_run)
+    ids = [sid for p in run.merged_files(COMPLETIONS)
            for sid in pq.read_table(p, columns=["sample_id"]).column("sample_id").to_pylist()]
     assert len(ids) == len(set(ids)), "a sample was generated twice"
-    quarantine = sorted((run_dir / "failures").glob("*.parquet")) + sorted((run_dir / "quality").glob("*.parquet"))
+    quarantine = run.failure_files() + [p for p in [run.gate_quarantine] if p.is_file()]
     for path in quarantine:
         reasons = pq.read_table(path, columns=["reason"]).column("reason").to_pylist()
         assert all(reasons), f"a quarantined row in {path} has no reason"
@@ -53,7 +54,7 @@ def check_invariants(conf, dag_run, *, published: bool) -> dict:
     c = manifest["counts"]
     assert c["prompts"] == c["published"] + c["quarantined"]
     assert pq.read_table(versions[0] / "tokenized").num_rows == c["published"]
-    key = (run_dir / "fleet" / "api_key").read_text().strip()
+    key = run.fleet.api_key.read_text().strip()
     assert key not in (versions[0] / "manifest.json").read_text()
     return manifest
 
@@ -87,7 +88,7 @@ def test_4_empty_content_server_fails_smoke_and_nothing_is_generated(dag, run_pa
     assert got["smoke_test"] == "failed" and got["generate"] == "upstream_failed"
     check_invariants(conf, dag_run, published=False)
     assert "smoke test failed on 1 of 7 servers" in logs(caplog, capfd) and "server 5 (GPU 5" in logs(caplog, capfd)
-    assert not (run_dir_of(conf, dag_run) / "completions").exists()
+    assert not layout_of(conf, dag_run).results_dir(COMPLETIONS).exists()
 
 
 def test_6_malformed_rows_of_every_kind_are_quarantined_with_distinct_reasons(dag, run_params, tmp_path):
@@ -167,12 +168,12 @@ def test_security_loopback_only_key_never_logged(dag, run_params, caplog, capfd)
     conf = run_params(2, shard_size=40)
     dag_run = dag.test(run_conf=conf)
     assert dag_run.state == "success", states(dag_run)
-    run_dir = run_dir_of(conf, dag_run)
-    key = (run_dir / "fleet" / "api_key").read_text().strip()
+    fleet = layout_of(conf, dag_run).fleet
+    key = fleet.api_key.read_text().strip()
     assert key not in logs(caplog, capfd)
-    for spec in (run_dir / "fleet").glob("server-*.json"):
+    for spec in fleet.server_specs():
         record = json.loads(spec.read_text())
         assert record["host"] == "127.0.0.1" and key not in spec.read_text()
-    for log in (run_dir / "fleet").glob("server-*.log"):
+    for log in (fleet.server_log(i) for i in range(len(fleet.server_specs()))):
         assert key not in log.read_text()
     check_invariants(conf, dag_run, published=True)

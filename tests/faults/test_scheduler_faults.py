@@ -14,6 +14,7 @@ from conftest import processes_mentioning
 from live_airflow import completion_ids, published_manifest, run_dir
 
 from dflash_regen.config import safe_run_id
+from dflash_regen.layout import COMPLETIONS, FAILURES, RunLayout
 
 SHARD_LINE = re.compile(r"shard (\d+) on .*?: (\d+) prompts, (\d+) done before, (\d+) quarantined before, "
                         r"(\d+) to send")
@@ -21,14 +22,8 @@ SHARD_LINE = re.compile(r"shard (\d+) on .*?: (\d+) prompts, (\d+) done before, 
 
 def results_on_disk(folder) -> int:
     """Samples with a result (completion or a server's refusal), merged shard files or checkpoint parts."""
-    total = 0
-    for kind in ("completions", "failures"):
-        files = list((folder / kind).glob("shard-*.parquet"))
-        merged = {p.stem for p in files}
-        files += [p for d in (folder / kind).glob("shard-*") if d.is_dir() and d.name not in merged
-                  for p in d.glob("*.parquet")]
-        total += sum(pq.read_metadata(p).num_rows for p in files)
-    return total
+    run = RunLayout(folder)
+    return sum(pq.read_metadata(p).num_rows for kind in (COMPLETIONS, FAILURES) for p in run.result_files(kind))
 
 
 def test_9_node_dies_mid_run_and_the_same_run_id_resumes_without_redoing_work(live_airflow):
@@ -44,7 +39,7 @@ def test_9_node_dies_mid_run_and_the_same_run_id_resumes_without_redoing_work(li
 
     # The node dies: the scheduler with its executor and every task process, and every SGLang server.
     af.kill_component("scheduler")
-    for spec in (folder / "fleet").glob("server-*.json"):
+    for spec in RunLayout(folder).fleet.server_specs():
         pid = int(re.search(r'"pid": (\d+)', spec.read_text()).group(1))
         try:
             os.kill(pid, signal.SIGKILL)
@@ -71,7 +66,7 @@ def test_9_node_dies_mid_run_and_the_same_run_id_resumes_without_redoing_work(li
             # finished before the crash logs "already complete" instead and sends nothing.
             lines = SHARD_LINE.findall(log.split("already complete")[-1])
             sent += int(lines[-1][4]) if lines else 0
-    accepted = json.loads((folder / "reports" / "plan.json").read_text())["accepted"]
+    accepted = json.loads(RunLayout(folder).report("plan").read_text())["accepted"]
     assert 0 < kept < accepted
     assert sent == accepted - kept, "the rerun redid finished samples or skipped missing ones"
     ids = completion_ids(folder)

@@ -13,10 +13,11 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from dflash_regen import fleet, generation
+from dflash_regen import fleet, generation, schemas
 from dflash_regen.demo_prompts import write_demo_prompts
 from dflash_regen.errors import NoServerFree
 from dflash_regen.fleet import is_alive, load_servers
+from dflash_regen.layout import COMPLETIONS, FAILURES, shard_sources
 from dflash_regen.planning import plan_shards
 
 
@@ -28,12 +29,12 @@ def plan(cfg, tmp_path, n=40, shard_size=40, rows=None):
         src.write_text("".join(json.dumps(r) + "\n" for r in rows))
     settings = type(cfg.plan)(shard_size=shard_size, max_tokens=cfg.plan.max_tokens,
                               context_length=cfg.plan.context_length, max_bad_share=1.0)
-    return plan_shards(src, cfg.run_dir / "shards", cfg.run_dir / "failures" / "plan.parquet", settings)
+    return plan_shards(src, cfg.layout, settings)
 
 
 def run_shard(cfg, key, descriptor, **settings):
     servers = load_servers(cfg.fleet_dir)
-    paths = generation.ShardPaths.of(cfg.run_dir, descriptor["shard"], Path(descriptor["path"]))
+    paths = generation.ShardPaths.of(cfg.layout, descriptor["shard"], Path(descriptor["path"]))
     gen_settings = cfg.generation.__class__(**{**cfg.generation.__dict__, **settings})
     with fleet.lease(cfg.fleet_dir, servers, descriptor["shard"], wait_s=5) as server:
         return generation.generate_shard(paths, server, key, gen_settings, fleet_dir=cfg.fleet_dir), server
@@ -50,6 +51,8 @@ def test_a_shard_completes_once_with_the_generation_mode_recorded(launch, tmp_pa
     rows = pq.read_table(result["path"]).to_pylist()
     assert sorted(r["sample_id"] for r in rows) == sorted(ids_of(shard["path"]))
     assert result["completed"] == 40 and result["quarantined"] == 0
+    assert pq.read_schema(result["path"]) == schemas.COMPLETION
+    assert pq.read_schema(cfg.layout.merged(FAILURES, 0)) == schemas.QUARANTINE  # empty, with its schema
     row = rows[0]
     assert row["enable_thinking"] and row["reasoning_parser"] == "qwen3" and row["served_model"] == "qwen3.6-27b"
     assert row["temperature"] == pytest.approx(0.6) and row["seed"] == generation.sample_seed(row["sample_id"], 0)
@@ -103,7 +106,7 @@ def test_a_dead_server_is_never_leased_whichever_server_a_shard_prefers(launch):
 def test_server_killed_mid_shard_fails_over_with_nothing_lost_or_duplicated(launch, tmp_path):
     cfg, servers, key = launch(num_servers=2, emulator_profile={"decode_tokens_per_s": 4000, "startup_s": 0.1})
     shard = plan(cfg, tmp_path, n=60, shard_size=60)["shards"][0]
-    parts = cfg.run_dir / "completions" / "shard-00000"
+    parts = cfg.layout.parts(COMPLETIONS, 0)
 
     def kill_server_0_once_results_are_checkpointed():  # shard 0 leases server 0 first
         deadline = time.monotonic() + 60
@@ -116,8 +119,8 @@ def test_server_killed_mid_shard_fails_over_with_nothing_lost_or_duplicated(laun
     with pytest.raises(generation.ShardFailed) as failure:
         run_shard(cfg, key, shard, checkpoint_every=5, stall_s=5, request_retries=1)
     killer.join()
-    assert (cfg.fleet_dir / "unhealthy-0").exists() and not is_alive(servers[0])
-    before = generation.read_done(parts, cfg.run_dir / "completions" / "shard-00000.parquet")
+    assert cfg.layout.fleet.unhealthy(0).exists() and not is_alive(servers[0])
+    before = generation.read_done(parts, cfg.layout.merged(COMPLETIONS, 0))
     assert 0 < len(before) < 60
     # The first line says what happened to which server and what the retry will do; the log tail follows.
     first, *rest = str(failure.value).splitlines()
@@ -137,7 +140,7 @@ def test_a_shard_that_failed_on_a_server_prefers_another_one_after_a_relaunch(la
     cfg, servers, _ = launch(num_servers=2)
     generation.record_failure(cfg.fleet_dir, 0, servers[0], "the server process was killed by SIGKILL")
     relaunched = fleet.launch_fleet(cfg.fleet, tmp_path / "model", cfg.fleet_dir)  # as a clear does
-    assert not list(cfg.fleet_dir.glob("unhealthy-*"))  # a fresh fleet: every server healthy again
+    assert not cfg.layout.fleet.unhealthy_markers()  # a fresh fleet: every server healthy again
     avoid = generation.servers_failed_on(cfg.fleet_dir, 0)
     assert avoid == {0: "the server process was killed by SIGKILL"}
     with ExitStack() as hold:
@@ -171,15 +174,15 @@ job = json.load(open({str(job)!r}))
 run_shard(RunConfig.from_params(job["params"], "test_run"), job["key"], job["shard"], checkpoint_every=3)
 """
     proc = subprocess.Popen([sys.executable, "-c", script])
-    parts = cfg.run_dir / "completions" / "shard-00000"
+    parts = cfg.layout.parts(COMPLETIONS, 0)
     deadline = time.monotonic() + 60
     while len(list(parts.glob("part-*.parquet"))) < 3 and time.monotonic() < deadline:
         time.sleep(0.01)
     assert proc.poll() is None, "the shard process ended before it could be killed"
     proc.send_signal(signal.SIGKILL)
     proc.wait(10)
-    assert not (cfg.run_dir / "completions" / "shard-00000.parquet").exists()
-    done_before = generation.read_done(parts, cfg.run_dir / "completions" / "shard-00000.parquet")
+    assert not cfg.layout.merged(COMPLETIONS, 0).exists()
+    done_before = generation.read_done(parts, cfg.layout.merged(COMPLETIONS, 0))
     assert len(done_before) >= 9
     result, _ = run_shard(cfg, key, shard)
     got = ids_of(result["path"])
@@ -204,7 +207,7 @@ def test_prompts_the_server_rejects_are_quarantined_with_its_message(launch, tmp
     shard = plan(cfg, tmp_path, rows=rows)["shards"][0]
     result, _ = run_shard(cfg, key, shard, max_error_share=0.5)
     assert result["completed"] == 1 and result["quarantined"] == 1
-    failure = pq.read_table(cfg.run_dir / "failures" / "shard-00000.parquet").to_pylist()[0]
+    failure = pq.read_table(cfg.layout.merged(FAILURES, 0)).to_pylist()[0]
     assert failure["sample_id"] == "bad" and failure["reason"] == "http_400"
     assert "HTTP 400: Failed to apply the chat template" in failure["detail"]
 
@@ -218,7 +221,7 @@ def test_prompts_longer_than_the_servers_own_context_are_quarantined_before_send
     shard = plan(cfg, tmp_path, rows=rows)["shards"][0]
     result, _ = run_shard(cfg, key, shard, max_error_share=0.5)
     assert result["completed"] == 1 and result["quarantined"] == 1
-    failure = pq.read_table(cfg.run_dir / "failures" / "shard-00000.parquet").to_pylist()[0]
+    failure = pq.read_table(cfg.layout.merged(FAILURES, 0)).to_pylist()[0]
     assert failure["sample_id"] == "long" and failure["reason"] == "too_long"
     assert f"+ max_tokens 16,384 exceed the context length 20,000 of {servers[0].name}; not sent. Set Param " \
            "context_length to 20,000" in failure["detail"]
@@ -302,7 +305,7 @@ def test_two_shard_processes_racing_on_one_shard_leave_each_sample_once(launch, 
     assert all(p.returncode == 0 for p in procs)
     assert {o["server"] for o in outs} == {0, 1}
     assert sum(o["generated_now"] for o in outs) > 24, "the race produced no duplicate work"
-    got = ids_of(cfg.run_dir / "completions" / "shard-00000.parquet")
+    got = ids_of(cfg.layout.merged(COMPLETIONS, 0))
     assert sorted(got) == sorted(ids_of(shard["path"])) and len(got) == len(set(got))
 
 
@@ -313,9 +316,8 @@ def test_a_kill_between_merge_and_unlink_leaves_duplicates_the_retry_removes(lau
     start_together(tmp_path, [proc], ["a"])
     proc.communicate(timeout=120)
     assert proc.returncode == -signal.SIGKILL
-    merged = cfg.run_dir / "completions" / "shard-00000.parquet"
-    parts = list((cfg.run_dir / "completions" / "shard-00000").glob("part-*.parquet"))
-    on_disk = ids_of(merged) + [i for p in parts for i in ids_of(p)]
+    on_disk = [i for p in shard_sources(cfg.layout.merged(COMPLETIONS, 0), cfg.layout.parts(COMPLETIONS, 0))
+               for i in ids_of(p)]
     assert len(on_disk) == 24  # every sample twice: in the merged file and still in its parts
     result, _ = run_shard(cfg, key, shard)
     got = ids_of(result["path"])
@@ -332,11 +334,11 @@ def test_a_prompt_two_servers_fail_is_quarantined_and_the_shard_goes_on(launch, 
     shard = plan(cfg, tmp_path, rows=POISON_ROWS)["shards"][0]
     result, server = run_shard(cfg, key, shard, request_retries=1, max_error_share=0.5)
     assert result["completed"] == 5 and result["quarantined"] == 1
-    (failure,) = pq.read_table(cfg.run_dir / "failures" / "shard-00000.parquet").to_pylist()
+    (failure,) = pq.read_table(cfg.layout.merged(FAILURES, 0)).to_pylist()
     assert failure["sample_id"] == "poison" and failure["reason"] == "http_500" and failure["stage"] == "generate"
     assert all(s.name in failure["detail"] for s in servers)
     assert "Failed to apply the chat template" in failure["detail"]
-    assert not list(cfg.fleet_dir.glob("unhealthy-*"))  # both answer every other prompt: neither is unhealthy
+    assert not cfg.layout.fleet.unhealthy_markers()  # both answer every other prompt: neither is unhealthy
     # Above the Param's share the shard fails at once, naming the Param and a refused sample.
     with pytest.raises(generation.TooManyPromptErrors, match=r"refused 1 of 6 prompts \(16.7%\), above Param "
                                                              r"max_generate_error_share=10.0%; e.g. poison: http_500"):
@@ -359,4 +361,4 @@ def test_a_wrong_api_key_fails_the_shard_at_once_naming_the_setting(launch, tmp_
     with pytest.raises(generation.AuthError, match="refused the API key with HTTP 401.*DFLASH_SGLANG_API_KEY"):
         run_shard(cfg, "not-the-key", shard)
     assert time.monotonic() - started < 10  # not retried with backoff
-    assert not (cfg.run_dir / "failures" / "shard-00000").exists()  # nothing quarantined
+    assert not cfg.layout.parts(FAILURES, 0).exists()  # nothing quarantined

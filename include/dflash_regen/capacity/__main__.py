@@ -54,8 +54,7 @@ def _emulate(ns) -> dict:
         model = write_demo_model(root / "model")
         source = Path(ns.prompt_source) if ns.prompt_source != DEMO_PROMPTS else write_demo_prompts(
             root / "prompts.jsonl")
-        plan = planning.plan_shards(source, cfg.run_dir / "shards", cfg.run_dir / "failures" / "plan.parquet",
-                                    replace(cfg.plan, max_bad_share=1.0))
+        plan = planning.plan_shards(source, cfg.layout, replace(cfg.plan, max_bad_share=1.0))
         with fleet.running(cfg.fleet, model, cfg.fleet_dir) as servers:
             key = fleet.read_api_key(cfg.fleet_dir)
             health = probes.health_gate(servers, key, cfg.fleet)

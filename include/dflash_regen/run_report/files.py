@@ -9,6 +9,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 
 from dflash_regen import shard_status
+from dflash_regen.layout import RunLayout
 
 
 def _json(path: Path) -> dict | None:
@@ -67,22 +68,9 @@ def _column(paths: list[Path], column: str) -> list:
     return _columns(paths, column)[0]
 
 
-def _result_files(folder: Path) -> list[Path]:
-    """Merged shard files plus checkpoint parts of shards not merged yet (a merged shard's parts repeat it)."""
-    merged = sorted(folder.glob("shard-*.parquet"))
-    done = {p.stem for p in merged}
-    return merged + sorted(p for d in folder.glob("shard-*") if d.is_dir() and d.name not in done
-                           for p in d.glob("*.parquet"))
-
-
-def _shard_of(path: Path) -> int:
-    name = path.stem if path.stem.startswith("shard-") else path.parent.name
-    return int(name.split("-")[1])
-
-
 def _statuses(run: Path) -> dict[int, dict]:
     out = {}
-    for path in sorted((run / "status").glob("shard-*.json")):
+    for path in RunLayout(run).status_files():
         status = shard_status.read(path)
         if status is not None:
             out[int(status["shard"])] = status
@@ -91,4 +79,4 @@ def _statuses(run: Path) -> dict[int, dict]:
 
 def _assignment(run: Path) -> dict:
     """Several nodes: {node: {"shards": [...], ...}} from reports/assignment.json; {} for a one-node run."""
-    return (_json(run / "reports" / "assignment.json") or {}).get("nodes", {})
+    return (_json(RunLayout(run).report("assignment")) or {}).get("nodes", {})

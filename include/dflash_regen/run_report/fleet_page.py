@@ -10,16 +10,8 @@ from pathlib import Path
 import numpy as np
 import pyarrow.parquet as pq
 
-from dflash_regen.run_report.files import (
-    _assignment,
-    _cached,
-    _forget_missing,
-    _json,
-    _result_files,
-    _rows,
-    _shard_of,
-    _statuses,
-)
+from dflash_regen.layout import COMPLETIONS, FAILURES, FleetFiles, RunLayout, shard_of
+from dflash_regen.run_report.files import _assignment, _cached, _forget_missing, _json, _rows, _statuses
 from dflash_regen.run_report.runs import RUNNING_STATES, _first_line, _generate_tis, run_state
 
 THROUGHPUT_POINTS = 60
@@ -27,26 +19,20 @@ SHARDS_LISTED = 50  # beyond this, finished shards are left out of the page's ta
 ADVICE_MIN_GAIN = 0.02  # advise a relaunch only when it is predicted at least this much faster
 
 
-
 def _planned_shards(run: Path) -> list[dict]:
-    plan = _cached(run / "shards" / "plan.json", "json", lambda p: json.loads(p.read_text())) or {}
+    plan = _cached(RunLayout(run).plan, "json", lambda p: json.loads(p.read_text())) or {}
     return plan.get("shards", [])
 
 
 def _checkpointed(run: Path) -> dict[int, int]:
     """Rows on disk per shard: completions and prompts a server refused, merged or still in parts."""
     out: dict[int, int] = {}
-    for sub in ("completions", "failures"):
-        for path in _result_files(run / sub):
-            out[_shard_of(path)] = out.get(_shard_of(path), 0) + _rows(path)
-        _forget_missing(run / sub)
+    layout = RunLayout(run)
+    for kind in (COMPLETIONS, FAILURES):
+        for path in layout.result_files(kind):
+            out[shard_of(path)] = out.get(shard_of(path), 0) + _rows(path)
+        _forget_missing(layout.results_dir(kind))
     return out
-
-
-def _fleet_dirs(run: Path) -> list[Path]:
-    """fleet/, or fleet/<node>/ for each node of a run on several nodes."""
-    nodes = sorted(p for p in (run / "fleet").glob("*") if p.is_dir())
-    return nodes or [run / "fleet"]
 
 
 def _attempt_outcome(attempt: dict, later: bool, ti_state: str | None) -> str:
@@ -75,7 +61,7 @@ def shards(run: Path, airflow_run: dict | None = None, now: float | None = None)
         last = attempts[-1] if attempts else {}
         state = (ti or {}).get("state") or (outcomes[-1] if outcomes else None)
         if state is None:
-            state = "done" if (run / "completions" / f"shard-{n:05d}.parquet").is_file() else "waiting"
+            state = "done" if RunLayout(run).merged(COMPLETIONS, n).is_file() else "waiting"
         seconds = (last.get("updated_at") or 0) - (last.get("started_at") or 0)
         done = max(on_disk.get(n, 0), status.get("done", 0) + status.get("quarantined", 0))
         rows.append({"shard": n, "state": state, "server": last.get("server"), "attempts": len(attempts),
@@ -105,14 +91,14 @@ def incidents(run: Path, shard_rows: list[dict]) -> list[dict]:
                 out.append({"at": a["updated_at"], "kind": "shard failed",
                             "text": f"shard {row['shard']} on {a['server']} stopped without a word after "
                                     f"{a['done']:,} done (its task process was killed?)"})
-    fleets = _fleet_dirs(run)
-    for marker in sorted(m for fleet in fleets for m in fleet.glob("unhealthy-*")):
+    fleets = [FleetFiles(d) for d in RunLayout(run).fleet_dirs()]
+    for marker in sorted(m for fleet in fleets for m in fleet.unhealthy_markers()):
         try:
             reason, at = _first_line(marker.read_text()), marker.stat().st_mtime
         except OSError:
             continue
         out.append({"at": at, "kind": "server unhealthy", "text": reason})
-    launches = [r.get("launched_at") for r in (_json(p) for f in fleets for p in f.glob("server-*.json")) if r]
+    launches = [r.get("launched_at") for r in (_json(p) for f in fleets for p in f.server_specs()) if r]
     first_attempt = min((a["started_at"] for row in shard_rows for a in row["history"]), default=None)
     launches = [t for t in launches if t]
     if launches and first_attempt is not None and min(launches) > first_attempt:
@@ -195,7 +181,7 @@ def progress(run: Path, shard_rows: list[dict], state: dict, capacity: dict | No
     """Prompts done of those planned (checkpointed, plus what running shards report from memory), the rate
     since the first shard started, and the ETA (the capacity plan's until the fleet has finished anything)."""
     now = time.time() if now is None else now
-    plan = _json(run / "reports" / "plan.json") or {}
+    plan = _json(RunLayout(run).report("plan")) or {}
     total = plan.get("accepted")
     done = sum(r["done"] for r in shard_rows)
     first = [r["history"][0] for r in shard_rows if r["history"]]
@@ -272,19 +258,19 @@ def _servers(health: dict, smoke: dict, node: str = "") -> list[dict]:
 def nodes_report(run: Path, shard_rows: list[dict]) -> list[dict]:
     """Several nodes: per node its gates, share of the run (assigned, predicted) and progress (done, measured:
     first shard started to last shard ended or now); [] for a one-node run."""
-    folder = run / "reports" / "nodes"
-    names = sorted(p.name for p in folder.glob("*") if p.is_dir())
+    layout = RunLayout(run)
+    names = layout.report_nodes()
     assignment = _assignment(run)
     rows_by_shard = {r["shard"]: r for r in shard_rows}
     out = []
     for name in names:
-        health, smoke = _json(folder / name / "health.json") or {}, _json(folder / name / "smoke.json") or {}
+        health, smoke = _json(layout.node_report("health", name)) or {}, _json(layout.node_report("smoke", name)) or {}
         assigned = assignment.get(name, {})
         mine = [rows_by_shard[n] for n in assigned.get("shards", []) if n in rows_by_shard]
         attempts = [a for r in mine for a in r["history"]]
         start = min((a["started_at"] for a in attempts), default=None)
         end = max((a.get("ended_at") or a["updated_at"] for a in attempts), default=None)
-        left_out = (_json(folder / name / "left_out.json") or {}).get("error")
+        left_out = (_json(layout.node_report("left_out", name)) or {}).get("error")
         out.append({"node": name, "health_passed": health.get("passed"), "smoke_passed": smoke.get("passed"),
                     "left_out": left_out, "servers": len(health.get("servers", [])),
                     "shards": len(assigned.get("shards", [])), "prompts": assigned.get("prompts"),
@@ -297,17 +283,17 @@ def nodes_report(run: Path, shard_rows: list[dict]) -> list[dict]:
 
 def fleet_report(run: Path, airflow_run: dict | None = None, now: float | None = None) -> dict:
     now = time.time() if now is None else now
-    reports = run / "reports"
-    health = _json(reports / "health.json") or {}
-    smoke = _json(reports / "smoke.json") or {}
-    capacity = _json(reports / "capacity.json")
+    layout = RunLayout(run)
+    health = _json(layout.report("health")) or {}
+    smoke = _json(layout.report("smoke")) or {}
+    capacity = _json(layout.report("capacity"))
     servers = _servers(health, smoke)
     state = run_state(run, airflow_run)
     shard_rows = shards(run, airflow_run, now)
     nodes = nodes_report(run, shard_rows)
     for node in nodes:  # several nodes: every node's servers, the gates passed only if every node's did
-        folder = reports / "nodes" / node["node"]
-        servers += _servers(_json(folder / "health.json") or {}, _json(folder / "smoke.json") or {}, node["node"])
+        health_file, smoke_file = layout.node_report("health", node["node"]), layout.node_report("smoke", node["node"])
+        servers += _servers(_json(health_file) or {}, _json(smoke_file) or {}, node["node"])
     if nodes:
         health = {"passed": all(n["health_passed"] for n in nodes) if all(n["health_passed"] is not None
                                                                           for n in nodes) else None}
@@ -315,7 +301,7 @@ def fleet_report(run: Path, airflow_run: dict | None = None, now: float | None =
                                                                          for n in nodes) else None}
     events = incidents(run, shard_rows)
     by_server: dict[str, list] = {}
-    for path in _result_files(run / "completions"):
+    for path in layout.result_files(COMPLETIONS):
         for name, arrays in (_cached(path, "throughput", _completion_arrays) or {}).items():
             by_server.setdefault(name, []).append(arrays)
     merged = {name: (np.concatenate([f for f, _ in parts]), np.concatenate([t for _, t in parts]))
@@ -331,4 +317,4 @@ def fleet_report(run: Path, airflow_run: dict | None = None, now: float | None =
             "shards": shard_rows, "shards_listed": listed, "incidents": events,
             "throughput": throughput_series(merged, events),
             "kv": kv_headroom(health, capacity), "advice": capacity_advice(capacity), "capacity": capacity,
-            "autotune": _json(reports / "autotune.json")}
+            "autotune": _json(layout.report("autotune"))}

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from dflash_regen.layout import FAILURES, RunLayout
 from dflash_regen.run_report.files import _column, _json
 from dflash_regen.run_report.runs import run_state
 
@@ -42,9 +43,10 @@ def threshold(expectation: str, kwargs: dict) -> str:
 
 def quarantine_by_stage(run: Path) -> dict[str, dict[str, int]]:
     """Quarantined rows per stage (planning, generation, quality gate) and reason."""
-    stages = {"planning": [run / "failures" / "plan.parquet"],
-              "generation": sorted((run / "failures").glob("shard-*.parquet")),
-              "quality gate": [run / "quality" / "quarantine.parquet"]}
+    layout = RunLayout(run)
+    stages = {"planning": [layout.planning_quarantine],
+              "generation": layout.merged_files(FAILURES),
+              "quality gate": [layout.gate_quarantine]}
     out = {}
     for stage, paths in stages.items():
         counts: dict[str, int] = {}
@@ -75,9 +77,10 @@ def histogram(values: list[int], bins: int = HISTOGRAM_BINS, split_at: int | Non
 
 
 def quality_report(run: Path, airflow_run: dict | None = None) -> dict:
-    quality = _json(run / "reports" / "quality.json")
-    plan = _json(run / "reports" / "plan.json") or {}
-    masks = _column(sorted((run / "tokenized").glob("summary-*.parquet")), "loss_mask_sum")
+    layout = RunLayout(run)
+    quality = _json(layout.report("quality"))
+    plan = _json(layout.report("plan")) or {}
+    masks = _column(layout.summary_files(), "loss_mask_sum")
     empty_at = (quality or {}).get("settings", {}).get("empty_mask_tokens", 6)
     expectations = []
     for e in (quality or {}).get("expectations", []):
@@ -105,7 +108,7 @@ def quality_report(run: Path, airflow_run: dict | None = None) -> dict:
         "loss_mask": {"samples": len(masks), "empty_at_or_below": empty_at,
                       "empty": sum(1 for m in masks if m <= empty_at),
                       "histogram": histogram(masks, split_at=empty_at)},
-        "data_docs": (run / "reports" / "data_docs" / "index.html").is_file(),
+        "data_docs": layout.data_docs_index.is_file(),
     }
 
 

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from dflash_regen.config import safe_run_id
 from dflash_regen.errors import RunNotFound
+from dflash_regen.layout import RunLayout, runs_dir
 from dflash_regen.run_report.files import _assignment, _json, _statuses
 
 # Tasks in pipeline order: where a failed run stopped, what never ran.
@@ -17,7 +18,7 @@ RUNNING_STATES = {"running", "queued", "scheduled", "up_for_retry", "up_for_resc
 
 def resolve_run(output_root: Path, run_id: str) -> Path:
     """The run folder for an Airflow run id; never a path outside `<output_root>/runs/`."""
-    runs = (output_root / "runs").resolve()
+    runs = runs_dir(output_root).resolve()
     try:
         name = safe_run_id(run_id)
     except ValueError as exc:
@@ -39,10 +40,10 @@ def _first_line(text) -> str:
 def run_state(run: Path, airflow_run: dict | None) -> dict:
     """The run's state, dates, failed tasks with their first error line where the folder has it, and where it
     stopped; from Airflow when it knows the run, else what the folder alone can tell."""
-    reports = run / "reports"
-    errors = {"health_check": _first_line((_json(reports / "health.json") or {}).get("error")),
-              "smoke_test": _first_line((_json(reports / "smoke.json") or {}).get("error"))}
-    quality = _json(reports / "quality.json")
+    layout = RunLayout(run)
+    errors = {"health_check": _first_line((_json(layout.report("health")) or {}).get("error")),
+              "smoke_test": _first_line((_json(layout.report("smoke")) or {}).get("error"))}
+    quality = _json(layout.report("quality"))
     if quality is not None and not quality.get("success"):
         failed = [f"{e['expectation']} {e.get('kwargs', {}).get('column', '')}: observed {e.get('observed')}"
                   for e in quality.get("expectations", []) if not e.get("success")]
@@ -79,7 +80,7 @@ def run_state(run: Path, airflow_run: dict | None) -> dict:
 
 def list_runs(output_root: Path, airflow_runs: list[dict] | None = None) -> dict:
     """Airflow's runs of the DAG with their folder's counts, and folders no Airflow run matches."""
-    folders = {p.name: p for p in (output_root / "runs").glob("*") if p.is_dir()}
+    folders = {p.name: p for p in runs_dir(output_root).glob("*") if p.is_dir()}
     rows = []
     for r in airflow_runs or []:
         folder = folders.pop(safe_run_id(r["run_id"]), None)
@@ -91,12 +92,13 @@ def list_runs(output_root: Path, airflow_runs: list[dict] | None = None) -> dict
 
 
 def _run_counts(run: Path) -> dict:
-    plan = _json(run / "reports" / "plan.json") or {}
-    quality = _json(run / "reports" / "quality.json")
+    layout = RunLayout(run)
+    plan = _json(layout.report("plan")) or {}
+    quality = _json(layout.report("quality"))
     return {"prompts": plan.get("rows"), "published": (quality or {}).get("kept"),
             "quarantined": None if quality is None else plan.get("rows", 0) - quality.get("kept", 0),
             "quality": None if quality is None else bool(quality.get("success")),
-            "data_docs": (run / "reports" / "data_docs" / "index.html").is_file()}
+            "data_docs": layout.data_docs_index.is_file()}
 
 
 def _generate_tis(run: Path, airflow_run: dict | None) -> dict[int, dict]:
