@@ -29,6 +29,7 @@ import time
 import uuid
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
+from itertools import islice
 from pathlib import Path
 
 import pyarrow as pa
@@ -489,11 +490,13 @@ def generate_shard(paths: ShardPaths, lease: Lease, api_key: str, settings: Gene
 
     error: BaseException | None = None
     with ThreadPoolExecutor(max_workers=in_flight, thread_name_prefix=f"shard{paths.shard}") as pool:
-        futures: dict[Future, dict] = {pool.submit(gen.generate, row): row for row in todo}
-        not_done = set(futures)
+        # Only the requests in flight are pending: `wait` looks at each pending future every time, so
+        # submitting the whole shard up front would cost O(n^2) in this thread.
+        queued = iter(todo)
+        futures: dict[Future, dict] = {pool.submit(gen.generate, row): row for row in islice(queued, in_flight)}
         try:
-            while not_done:
-                finished, not_done = wait(not_done, timeout=1.0, return_when=FIRST_COMPLETED)
+            while futures:
+                finished, _ = wait(futures, timeout=1.0, return_when=FIRST_COMPLETED)
                 for fut in finished:
                     row = futures.pop(fut)
                     try:
@@ -520,9 +523,8 @@ def generate_shard(paths: ShardPaths, lease: Lease, api_key: str, settings: Gene
                 if now - last_log >= settings.progress_s:
                     last_log = now
                     progress()
-                if error is not None:
-                    for fut in not_done:
-                        fut.cancel()
+                if error is None:  # after an error, the requests in flight end (gen.stop) and nothing new starts
+                    futures.update((pool.submit(gen.generate, row), row) for row in islice(queued, len(finished)))
         finally:
             flush()  # keep every finished result, whatever happens next
     if isinstance(error, AuthError):
