@@ -26,6 +26,7 @@ import logging
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, replace
+from itertools import islice
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -256,11 +257,13 @@ def _send_all(gen: Generator, todo: list[dict], attempt: _Attempt, settings: Gen
     flush, progress, paths = attempt.flush, attempt.progress, attempt.paths
     error: BaseException | None = None
     with ThreadPoolExecutor(max_workers=in_flight, thread_name_prefix=f"shard{paths.shard}") as pool:
-        futures: dict[Future, dict] = {pool.submit(gen.generate, row): row for row in todo}
-        not_done = set(futures)
+        # Only the requests in flight are pending: `wait` looks at each pending future every time, so
+        # submitting the whole shard up front would cost O(n^2) in this thread.
+        queued = iter(todo)
+        futures: dict[Future, dict] = {pool.submit(gen.generate, row): row for row in islice(queued, in_flight)}
         try:
-            while not_done:
-                finished, not_done = wait(not_done, timeout=1.0, return_when=FIRST_COMPLETED)
+            while futures:
+                finished, _ = wait(futures, timeout=1.0, return_when=FIRST_COMPLETED)
                 for fut in finished:
                     row = futures.pop(fut)
                     try:
@@ -287,9 +290,8 @@ def _send_all(gen: Generator, todo: list[dict], attempt: _Attempt, settings: Gen
                 if now - attempt.last_log >= settings.progress_s:
                     attempt.last_log = now
                     progress()
-                if error is not None:
-                    for fut in not_done:
-                        fut.cancel()
+                if error is None:  # after an error, the requests in flight end (gen.stop) and nothing new starts
+                    futures.update((pool.submit(gen.generate, row), row) for row in islice(queued, len(finished)))
         finally:
             flush()  # keep every finished result, whatever happens next
     return error
