@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from dataclasses import dataclass
 from pathlib import Path
 
 from dflash_regen import atomic
+from dflash_regen.config import QualitySettings
 from dflash_regen.errors import GateFailed
 
 log = logging.getLogger(__name__)
@@ -23,16 +23,6 @@ log = logging.getLogger(__name__)
 SUMMARY_COLUMNS = ("sample_id", "n_tokens", "mask_len", "loss_mask_sum", "finish_reason", "content_chars",
                    "reasoning_tokens", "think_marker_leak", "tool_call_expected", "tool_call_present",
                    "repetition_score", "enable_thinking", "truncated_at_train_length")
-
-
-@dataclass(frozen=True)
-class QualitySettings:
-    empty_mask_tokens: int = 6  # the seed's empty answer: </think> \n\n OK . <|im_end|> \n
-    max_bad_share: float = 0.02  # share of samples the row rules may quarantine
-    max_truncated_share: float = 0.05
-    max_repetition: float = 0.5  # share of repeated 8-grams in the reasoning
-    max_length: int = 4096  # SpecForge's Qwen3.6-27B recipe trains at 4096
-    max_overlong_share: float = 0.1
 
 
 def repetition_score(text: str | None, n: int = 8) -> float:
