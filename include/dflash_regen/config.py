@@ -21,8 +21,6 @@ from dflash_regen.deployment import DEMO_MODEL, DEMO_PROMPTS, EMULATOR
 from dflash_regen.errors import ConfigError
 from dflash_regen.params import checked, defaults, invalid
 
-__all__ = ["DEMO_MODEL", "DEMO_PROMPTS", "EMULATOR"]  # re-exported: the stages compare Param values with them
-
 # Qwen3.6-27B with MTP as SGLang's cookbook launches it (notes/sglang-api.md §1.1). Every flag can be
 # overridden or extended by the `server_flags` Param.
 COOKBOOK_FLAGS: dict[str, str | None] = {

@@ -1,6 +1,7 @@
 """The deployment's environment, read in one place: the defaults a GPU node's docker-compose sets once.
 
-No Airflow import: the DAG, `params` (Param defaults) and `config` call `deployment()`.
+No Airflow import: the DAG calls `deployment()` when it is parsed, and `params.defaults` (so
+`config.DEFAULTS`) takes the Param defaults from it.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash_regen.errors import ConfigError
+from dflash_regen.nodes import NODES_ENV
 
 EMULATOR = "emulator"
 DEMO_MODEL = "demo"
@@ -63,7 +65,7 @@ _ENV = {"model_source": "DFLASH_MODEL_SOURCE", "staging_dir": "DFLASH_STAGING_DI
         "server_command": "DFLASH_SERVER_COMMAND", "base_port": "DFLASH_BASE_PORT",
         "prompt_source": "DFLASH_PROMPT_SOURCE", "output_root": "DFLASH_OUTPUT_ROOT",
         "emulator_profile": "DFLASH_EMULATOR_PROFILE", "parallel_shards": "DFLASH_PARALLEL_SHARDS",
-        "generate_retries": "DFLASH_GENERATE_RETRIES", "worker_queue": "DFLASH_WORKER_QUEUE", "nodes": "DFLASH_NODES"}
+        "generate_retries": "DFLASH_GENERATE_RETRIES", "worker_queue": "DFLASH_WORKER_QUEUE", "nodes": NODES_ENV}
 
 
 def deployment(environ: Mapping[str, str] | None = None) -> Deployment:
