@@ -19,7 +19,8 @@ from typing import Any
 
 from dflash_regen.deployment import DEMO_MODEL, DEMO_PROMPTS, EMULATOR
 from dflash_regen.errors import ConfigError
-from dflash_regen.params import checked, defaults, invalid
+from dflash_regen.params import SPECS, checked, defaults
+from dflash_regen.params import invalid as _fail
 
 # Qwen3.6-27B with MTP as SGLang's cookbook launches it (notes/sglang-api.md §1.1). Every flag can be
 # overridden or extended by the `server_flags` Param.
@@ -36,7 +37,7 @@ COOKBOOK_FLAGS: dict[str, str | None] = {
 }
 COOKBOOK_ENV = {"SGLANG_ENABLE_SPEC_V2": "1"}
 LAUNCHER_FLAGS = {"--model-path", "--model", "--host", "--port", "--api-key"}  # set per server by fleet.launch
-MAX_PORT = 65535
+MAX_PORT = SPECS["base_port"].maximum  # the last server's port too
 
 # Default Param values (the DAG's trigger form shows them), the deployment's environment applied.
 DEFAULTS: dict[str, Any] = defaults()
@@ -45,7 +46,6 @@ DEFAULTS: dict[str, Any] = defaults()
 # shell), so they could only be a mistake or an injection attempt: refuse them with a clear message.
 _SHELL_META = re.compile(r"[;&|`$<>(){}\\\n*?!]")
 _RUN_ID_UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
-_fail = invalid
 
 
 def _flag_value(argv: list[str], flag: str) -> str:
