@@ -190,7 +190,7 @@ def smoke_test(params: dict, run_id: str, node: dict | None = None) -> dict:
     cfg = _cfg(params, run_id, node)
     servers, key = _servers(cfg)
     try:
-        report = smoke.smoke_gate(servers, key, cfg.sampling, cfg.fleet.served_model_name)
+        report = smoke.smoke_gate(servers, key, cfg.sampling, cfg.fleet)
     except GateFailed as exc:
         write_report(cfg, "smoke", {"passed": False, "error": str(exc)})
         raise
@@ -244,7 +244,7 @@ def autotune_fleet(params: dict, run_id: str, model_path: str, node: dict | None
     key = fleet.read_api_key(cfg.fleet_dir)
     try:
         write_report(cfg, "health", probes.health_gate(servers, key, run_cfg.fleet))
-        write_report(cfg, "smoke", smoke.smoke_gate(servers, key, run_cfg.sampling, run_cfg.fleet.served_model_name))
+        write_report(cfg, "smoke", smoke.smoke_gate(servers, key, run_cfg.sampling, run_cfg.fleet))
     except GateFailed:
         fleet.stop_fleet(cfg.fleet_dir)
         raise
@@ -270,7 +270,7 @@ def calibrate(params: dict, run_id: str, node: dict | None = None) -> dict:
                               concurrency_per_server=cfg.generation.in_flight)
     with fleet.lease(cfg.fleet_dir, healthy, 0, wait_s=cfg.fleet.ready_timeout_s) as server:
         tuned = autotune.applied_flags(cfg.node_reports_dir)  # the fleet runs the autotuned flags on top
-        flags = " ".join(x for x in (cfg.params.get("server_flags") or "", tuned or "") if x)
+        flags = " ".join(x for x in (cfg.fleet.server_flags, tuned or "") if x)
         try:
             report = capacity.calibrate(server, key, health, plan["shards"], cfg.generation, shape,
                                         prompts=cfg.capacity.calibration_prompts, server_flags=flags,
@@ -407,7 +407,7 @@ def publish_dataset(params: dict, run_id: str) -> dict:
     if not report["success"]:
         raise GateFailed("the quality report says the gate failed; refusing to publish")
     publish.clean_stale_tmp(cfg.publish_dir.parent)
-    config = {k: v for k, v in cfg.params.items() if k not in {"emulator_faults"}}
+    config = {k: v for k, v in params.items() if k not in {"emulator_faults"}}
     manifest = publish.publish_run(cfg.layout, cfg.publish_dir, plan, report, config, cfg.staging_dir,
                                    nodes=nodes.split_report(cfg.layout))  # several nodes: what each did
     return {"path": str(cfg.publish_dir), "samples": manifest["counts"]["published"],
