@@ -23,8 +23,10 @@ from dflash_regen.tokenize import summarize_mask, tokenize_sample
 
 log = logging.getLogger(__name__)
 
-TOKENIZED_SCHEMA = pa.schema([("sample_id", pa.string()), ("input_ids", pa.list_(pa.int32())),
-                              ("loss_mask", pa.list_(pa.int8())), ("n_tokens", pa.int32()),
+# List items named as a parquet round trip names them ("element"): publish hard-links these files into the
+# dataset, byte for byte what it wrote when it rewrote them.
+TOKENIZED_SCHEMA = pa.schema([("sample_id", pa.string()), ("input_ids", pa.list_(pa.field("element", pa.int32()))),
+                              ("loss_mask", pa.list_(pa.field("element", pa.int8()))), ("n_tokens", pa.int32()),
                               ("loss_mask_sum", pa.int32())])
 SUMMARY_SCHEMA = pa.schema([("sample_id", pa.string()), ("n_tokens", pa.int32()), ("mask_len", pa.int32()),
                             ("loss_mask_sum", pa.int32()), ("finish_reason", pa.string()),
