@@ -367,9 +367,10 @@ def dflash_regen():
 
         @task_group(group_id="shard", prefix_group_id=False)
         def shard_tasks(shard: dict):
-            generated = generate.override(task_id=prefix + "generate", **on_node)(shard, node=node)
+            # By keyword: the map index templates read their task's keyword arguments (shard, generated).
+            generated = generate.override(task_id=prefix + "generate", **on_node)(shard=shard, node=node)
             ready >> generated >> stop  # the servers are not needed past generation
-            return tokenize.override(task_id=prefix + "tokenize", **on_node)(generated, node=node)
+            return tokenize.override(task_id=prefix + "tokenize", **on_node)(generated=generated, node=node)
 
         return shard_tasks.expand(shard=shards)
 

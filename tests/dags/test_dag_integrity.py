@@ -59,7 +59,9 @@ def test_each_shard_is_tokenized_as_soon_as_its_own_generate_ends(dag):
     generate, tokenize = dag.get_task("generate"), dag.get_task("tokenize")
     group = generate.get_closest_mapped_task_group()
     assert group is not None and tokenize.get_closest_mapped_task_group() is group
-    assert tokenize.upstream_task_ids == {"generate"} and tokenize.map_index_template
+    assert tokenize.upstream_task_ids == {"generate"}
+    # their map index labels render from their keyword arguments (a positional one is not in the template context)
+    assert "shard" in generate.op_kwargs and "generated" in tokenize.op_kwargs
     assert group.upstream_task_ids == {"plan_shards"}  # it maps over the planned shards
     # the teardown waits for generation, not for tokenizing
     assert "tokenize" not in dag.get_task("stop_fleet").get_flat_relative_ids(upstream=True)
