@@ -291,7 +291,7 @@ def quality_report(run: Path, airflow_run: dict | None = None) -> dict:
 def _statuses(run: Path) -> dict[int, dict]:
     out = {}
     for path in sorted((run / "status").glob("shard-*.json")):
-        status = shard_status.read(path)
+        status = _cached(path, "status", shard_status.read)  # a finished shard's file never changes again
         if status is not None:
             out[int(status["shard"])] = status
     return out
