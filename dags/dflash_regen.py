@@ -11,8 +11,9 @@ the run's wall time and
 GPU-hours (`reports/capacity.json`). Meanwhile `plan_shards` validates the prompts (bad rows are quarantined with a
 reason) and writes ~1,000-prompt shards; `generate` completes each shard on one leased server, resumably.
 The fleet is stopped as soon as generation ends. `tokenize` computes `input_ids` and `loss_mask` with the
-model's chat template, `validate` runs the Great Expectations gate (Data Docs in the run's `reports/`), and
-`publish` moves the dataset into place atomically and emits the `dflash_regen_dataset` asset.
+model's chat template (each shard's as soon as its own `generate` ends: the two are one mapped task group),
+`validate` runs the Great Expectations gate (Data Docs in the run's `reports/`), and `publish` moves the dataset
+into place atomically and emits the `dflash_regen_dataset` asset.
 
 The gates are setup tasks: clearing one failed `generate` shard re-launches and re-checks the fleet, then
 sends only that shard's missing samples.
@@ -26,7 +27,7 @@ from __future__ import annotations
 
 import datetime as dt
 
-from airflow.sdk import Asset, Param, TaskGroup, dag, setup, task, teardown
+from airflow.sdk import Asset, Param, TaskGroup, chain, dag, setup, task, task_group, teardown
 
 from dflash_regen import dag_tasks, nodes
 from dflash_regen.deployment import deployment
@@ -75,18 +76,18 @@ def dflash_regen():
     @setup
     @task(retries=0)
     def health_check(fleet: dict, params=None, run_id=None, node=None) -> dict:
-        return dag_tasks.health_check(params, run_id, node=node)
+        return dag_tasks.health_check(params, run_id, fleet, node=node)
 
     @setup
     @task(retries=0)
-    def smoke_test(fleet: dict, health: dict, params=None, run_id=None, node=None) -> dict:
-        return dag_tasks.smoke_test(params, run_id, node=node)
+    def smoke_test(fleet: dict, params=None, run_id=None, node=None) -> dict:
+        return dag_tasks.smoke_test(params, run_id, fleet, node=node)
 
     # Tries server settings on the first GPU and, with Param autotune = apply, relaunches the fleet with the fastest.
     @setup
     @task(retries=0)
-    def autotune(staged: dict, checked: dict, shards: list[dict], params=None, run_id=None, node=None) -> dict:
-        return dag_tasks.autotune_fleet(params, run_id, staged["model_path"], node=node)
+    def autotune(staged: dict, shards: list[dict], params=None, run_id=None, node=None) -> dict:
+        return dag_tasks.autotune_fleet(params, run_id, staged["model_path"], shards, node=node)
 
     @task
     def plan_shards(params=None, run_id=None) -> list[dict]:
@@ -94,8 +95,8 @@ def dflash_regen():
 
     @setup
     @task
-    def calibrate(checked: dict, shards: list[dict], params=None, run_id=None, node=None) -> dict:
-        return dag_tasks.calibrate(params, run_id, node=node)
+    def calibrate(fleet: dict, shards: list[dict], params=None, run_id=None, node=None) -> dict:
+        return dag_tasks.calibrate(params, run_id, fleet, shards, node=node)
 
     @task(retries=GENERATE_RETRIES, retry_delay=dt.timedelta(seconds=5), retry_exponential_backoff=2.0,
           max_retry_delay=dt.timedelta(minutes=2), max_active_tis_per_dagrun=PARALLEL_SHARDS,
@@ -108,11 +109,11 @@ def dflash_regen():
         return dag_tasks.tokenize_shard(params, run_id, generated, node=node)
 
     @task(retries=0)
-    def validate(tokenized: list[dict] | None, params=None, run_id=None) -> dict:
-        return dag_tasks.validate(params, run_id)
+    def validate(shards: list[dict], params=None, run_id=None) -> dict:
+        return dag_tasks.validate(params, run_id, shards)
 
     @task(outlets=[DATASET])
-    def publish(validated: dict, params=None, run_id=None, outlet_events=None) -> dict:
+    def publish(params=None, run_id=None, outlet_events=None) -> dict:
         result = dag_tasks.publish_dataset(params, run_id)
         outlet_events[DATASET].extra = result
         return result
@@ -120,27 +121,41 @@ def dflash_regen():
     # First in line for a free executor slot: idle GPUs stay held until it runs (tokenize tasks queue up then).
     @teardown
     @task(priority_weight=TEARDOWN_PRIORITY, weight_rule="absolute")
-    def stop_fleet(fleet: dict, params=None, run_id=None, node=None) -> list[str]:
-        return dag_tasks.stop_fleet(params, run_id, node=node)
+    def stop_fleet(fleet: dict) -> list[str]:
+        return dag_tasks.stop_fleet(fleet)
 
     # The run's verdict. Airflow counts skipped leaves as success, so a run marked failed by hand (its pending
     # tasks skipped) would turn green once its teardown ran; a teardown still runs then, and with
     # on_failure_fail_dagrun its result is the run's state: published, or failed.
     @teardown(on_failure_fail_dagrun=True)
     @task(retries=0)
-    def check_published(published: dict | None = None, params=None, run_id=None) -> dict:
+    def check_published(params=None, run_id=None) -> dict:
         return dag_tasks.check_published(params, run_id)
+
+    def per_shard(shards, ready, stop, node: dict | None = None, on_node: dict | None = None):
+        """generate -> tokenize for each shard, one mapped task group: a shard's tokenize starts when its own
+        generate ends (the CPU work overlaps the GPU work), and a failed shard holds back only its own. The
+        teardown waits for generation alone. prefix_group_id=False keeps the task ids (generate, or
+        <node>.generate) that a clear, the README and the report pages name."""
+        prefix, on_node = (f"{node['name']}." if node else ""), on_node or {}
+
+        @task_group(group_id="shard", prefix_group_id=False)
+        def shard_tasks(shard: dict):
+            # By keyword: the map index templates read their task's keyword arguments (shard, generated).
+            generated = generate.override(task_id=prefix + "generate", **on_node)(shard=shard, node=node)
+            ready >> generated >> stop  # the servers are not needed past generation
+            return tokenize.override(task_id=prefix + "tokenize", **on_node)(generated=generated, node=node)
+
+        return shard_tasks.expand(shard=shards)
 
     if not NODES:
         staged = stage_weights()
         fleet = launch_fleet(staged)
-        checked = smoke_test(fleet, health_check(fleet))
         shards = plan_shards()  # runs while the servers load: it needs no GPU
-        tuned = autotune(staged, checked, shards)
-        calibrated = calibrate(tuned, shards)  # measures one server on the run's own prompts, predicts the run
-        generated = generate.expand(shard=shards)
-        calibrated >> generated >> stop_fleet(fleet)  # the servers are not needed past generation
-        publish(validate(tokenize.expand(generated=generated))) >> check_published()
+        calibrated = calibrate(fleet, shards)  # measures one server on the run's own prompts, predicts the run
+        chain(health_check(fleet), smoke_test(fleet), autotune(staged, shards), calibrated)
+        tokenized = per_shard(shards, calibrated, stop_fleet(fleet))
+        chain(tokenized, validate(shards), publish(), check_published())
         return
 
     # Several nodes: per node, its fleet setups, shards and teardown on its own queue (queue cannot be mapped).
@@ -174,21 +189,20 @@ def dflash_regen():
             staged = stage_node.override(task_id="stage_weights", **on_node)(checked_inputs, node=spec)
             fleet = launch_fleet.override(**on_node)(staged, node=spec)
             health = health_check.override(**on_node)(fleet, node=spec)
-            checked = smoke_test.override(**on_node)(fleet, health, node=spec)
-            tuned = autotune.override(**on_node)(staged, checked, shards, node=spec)
-            calibrated = calibrate.override(**on_node)(tuned, shards, node=spec)
-            stop = stop_fleet.override(**on_node)(fleet, node=spec)
+            checked = smoke_test.override(**on_node)(fleet, node=spec)
+            tuned = autotune.override(**on_node)(staged, shards, node=spec)
+            calibrated = calibrate.override(**on_node)(fleet, shards, node=spec)
+            chain(health, checked, tuned, calibrated)
+            stop = stop_fleet.override(**on_node)(fleet)
             # Each setup gets this node's teardown, so clearing a shard of another node leaves them alone
             # (Airflow re-runs an upstream setup that has no teardown, whichever node it belongs to).
             [health, checked, tuned, calibrated] >> stop
             node_ready.override(**on_node)(calibrated, node=spec) >> assigned  # skipped when the node is left out
             mine = node_shards(assigned, node.name)
-            generated = generate.override(**on_node).partial(node=spec).expand(shard=mine)
-            calibrated >> generated >> stop
-            tokenized.append(tokenize.override(**on_node).partial(node=spec).expand(generated=generated))
-    validated = validate.override(trigger_rule="none_failed_min_one_success")(None)
+            tokenized.append(per_shard(mine, calibrated, stop, node=spec, on_node=on_node))
+    validated = validate.override(trigger_rule="none_failed_min_one_success")(shards)
     tokenized >> validated
-    publish(validated) >> check_published()
+    chain(validated, publish(), check_published())
 
 
 dflash_regen()

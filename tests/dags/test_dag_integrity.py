@@ -54,6 +54,21 @@ def test_clearing_one_shard_reruns_the_fleet_setups_and_teardown_but_not_plannin
     assert generate.retries >= 2 and generate.retry_exponential_backoff == 2.0
 
 
+def test_each_shard_is_tokenized_as_soon_as_its_own_generate_ends(dag):
+    """generate and tokenize are one mapped task group: Airflow gives tokenize[i] generate[i] alone as its upstream
+    (and clears them together), so one failed shard does not hold back the tokenizing of the others."""
+    generate, tokenize = dag.get_task("generate"), dag.get_task("tokenize")
+    group = generate.get_closest_mapped_task_group()
+    assert group is not None and tokenize.get_closest_mapped_task_group() is group
+    assert tokenize.upstream_task_ids == {"generate"}
+    # their map index labels render from their keyword arguments (a positional one is not in the template context)
+    assert "shard" in generate.op_kwargs and "generated" in tokenize.op_kwargs
+    assert group.upstream_task_ids == {"plan_shards"}  # it maps over the planned shards
+    # the teardown waits for generation, not for tokenizing
+    assert "tokenize" not in dag.get_task("stop_fleet").get_flat_relative_ids(upstream=True)
+    assert generate.max_active_tis_per_dagrun >= 1
+
+
 def test_fleet_gates_are_setup_tasks_and_stop_is_the_teardown(dag):
     """Clearing a later task re-runs setups, not ordinary upstream tasks: the gates must be setups."""
     tasks = {t.task_id: t for t in dag.tasks}

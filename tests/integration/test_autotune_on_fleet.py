@@ -46,7 +46,7 @@ def test_apply_picks_the_known_optimum_relaunches_the_fleet_with_it_and_the_run_
     assert best == "MTP off at 16" and expected[best] > 1.1 * aggregate(16)
     assert aggregate(4) > aggregate(4, speculative=False)  # MTP still pays at the current batch
 
-    result = dag_tasks.autotune_fleet(launch.params, "test_run", str(tmp_path / "model"))
+    result = dag_tasks.autotune_fleet(launch.params, "test_run", str(tmp_path / "model"), plan["shards"])
     report = autotune.read_report(cfg.reports_dir)
     print(autotune.format_table(report))
     rows = {r["candidate"]: r for r in report["candidates"]}
