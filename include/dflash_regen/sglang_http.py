@@ -1,0 +1,252 @@
+"""The HTTP layer under `sglang.Api`: the session, the chat payload, SSE streaming and how errors are sorted.
+
+Callers go through `dflash_regen.sglang`, which re-exports what they use; this module is apart only to keep
+each file to one concept (what SGLang versions say, vs how one request travels).
+
+Streaming: thinking answers can run to 32K tokens (~20 minutes), so a total timeout is the wrong guard:
+the response is streamed (SSE) and *silence* is the failure — `requests`' read timeout applies to each
+socket read, so it fires when no byte arrived for `stall_s` — with a generous overall cap on top. Errors
+are sorted here: `TransientError` (connection reset, 5xx, stall, an error event mid-stream) is worth
+retrying; `PromptError` (4xx) is the prompt's fault and goes to quarantine with the server's message;
+`AuthError` (401/403) is the configuration's fault (the API key) and fails at once.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+import requests
+from requests.adapters import HTTPAdapter
+
+from dflash_regen.errors import (
+    AuthError,
+    Cancelled,
+    PromptError,
+    ServerError,
+    TransientError,
+)
+
+log = logging.getLogger("dflash_regen.sglang")  # the name operators' log filters know
+T = TypeVar("T")
+
+
+def _auth_error(base_url: str, resp: requests.Response) -> AuthError:
+    return AuthError(f"{base_url} refused the API key with HTTP {resp.status_code} ({_error_message(resp)}): the key "
+                     "sent is not the server's --api-key. Relaunch the fleet (clear launch_fleet) so servers and "
+                     "clients share one key, or set the secret DFLASH_SGLANG_API_KEY to the key the servers were "
+                     "started with")
+
+
+@dataclass
+class ChatResult:
+    reasoning: str = ""
+    content: str = ""
+    tool_calls: list[dict] = field(default_factory=list)
+    finish_reason: str | None = None
+    usage: dict = field(default_factory=dict)
+    latency_s: float = 0.0
+    first_token_s: float | None = None
+
+
+def auth_headers(api_key: str) -> dict[str, str]:
+    """SGLang's `--api-key` check: `Authorization: Bearer <key>` on every endpoint but /health, /metrics."""
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+def with_retries(call: Callable[[], T], attempts: int, *, delay_s: float = 1.0, max_delay_s: float = 30.0) -> T:
+    """The retry policy: a `TransientError` is retried with doubling delays, anything else propagates
+    (a `PromptError` is the prompt's fault; sending it again cannot help)."""
+    for attempt in range(1, attempts + 1):
+        try:
+            return call()
+        except TransientError as exc:
+            if attempt == attempts:
+                raise
+            log.info("attempt %d of %d failed (%s); retrying in %.0f s", attempt, attempts, exc, delay_s)
+            time.sleep(delay_s)
+            delay_s = min(delay_s * 2, max_delay_s)
+    raise AssertionError("attempts must be >= 1")
+
+
+# Sent when set on the settings object (None = the server's default).
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty")
+
+
+def chat_payload(messages: list[dict], tools: list[dict] | None, sampling, *, model: str, max_tokens: int,
+                 seed: int | None) -> dict:
+    """The chat request, with the sampling settings from one place: `sampling` is the run's settings object
+    (temperature, top_p, enable_thinking; a field added to it goes in `SAMPLING_FIELDS`)."""
+    payload = {"model": model, "messages": messages, "max_tokens": max_tokens,
+               **{name: getattr(sampling, name) for name in SAMPLING_FIELDS if getattr(sampling, name, None)
+                  is not None},
+               "chat_template_kwargs": {"enable_thinking": sampling.enable_thinking}}
+    if seed is not None:
+        payload["seed"] = seed
+    if tools:
+        payload["tools"] = tools
+    return payload
+
+
+def make_session(pool_size: int) -> requests.Session:
+    """One session per task; its pool must be as large as the in-flight count, or requests queue silently."""
+    session = requests.Session()
+    adapter = HTTPAdapter(pool_connections=1, pool_maxsize=pool_size, pool_block=True, max_retries=0)
+    session.mount("http://", adapter)
+    return session
+
+
+def _error_text(body) -> str:
+    """The message of an SGLang error body: flat `{"message": ...}`, `{"error": {...}}` or `{"error": "..."}`."""
+    if isinstance(body, dict):
+        err = body.get("error", body)
+        if isinstance(err, dict):
+            return str(err.get("message") or err)[:500]
+        return str(body.get("message") or err)[:500]
+    return str(body)[:300]
+
+
+def _error_message(resp: requests.Response) -> str:
+    try:
+        return _error_text(resp.json())
+    except ValueError:
+        return resp.text[:300]
+
+
+def _merge_tool_call(calls: list[dict], delta: dict) -> None:
+    index = delta.get("index", len(calls))
+    while len(calls) <= index:
+        calls.append({"id": None, "type": "function", "function": {"name": "", "arguments": ""}})
+    call = calls[index]
+    if delta.get("id"):
+        call["id"] = delta["id"]
+    fn = delta.get("function") or {}
+    if fn.get("name"):
+        call["function"]["name"] += fn["name"]
+    if fn.get("arguments"):
+        call["function"]["arguments"] += fn["arguments"]
+
+
+def sse_data(chunks: Iterable[bytes]) -> Iterator[bytes]:
+    """The `data:` payloads of a server-sent-event byte stream, one per line, whatever the read boundaries.
+
+    Comments (`:` keep-alives), blank lines and other fields are skipped. A last line the stream ends without a
+    newline is still yielded, so a body cut inside an event shows up as unparsable JSON, not as silence.
+    SGLang writes each event as one `data:` line, so a multi-line event (allowed by SSE) is not joined.
+    """
+    rest = b""
+    for chunk in chunks:
+        lines = (rest + chunk).split(b"\n") if rest else chunk.split(b"\n")
+        rest = lines.pop()
+        for line in lines:
+            if line.startswith(b"data:"):
+                yield line[5:].strip()
+    if rest.startswith(b"data:"):
+        yield rest[5:].strip()
+
+
+class _Assembly:
+    """A streamed answer put together from its deltas (lists joined once: `+=` on an attribute copies each time)."""
+
+    def __init__(self, started: float):
+        self.started, self.reasoning, self.content = started, [], []
+        self.result = ChatResult()
+
+    def add(self, chunk: dict) -> None:
+        if chunk.get("usage"):
+            self.result.usage = chunk["usage"]
+        for choice in chunk.get("choices") or ():
+            delta = choice.get("delta") or {}
+            piece = delta.get("reasoning_content") or delta.get("reasoning")
+            if piece:
+                self.reasoning.append(piece)
+            if content := delta.get("content"):
+                self.content.append(content)
+            for call in delta.get("tool_calls") or ():
+                _merge_tool_call(self.result.tool_calls, call)
+            if (piece or content) and self.result.first_token_s is None:
+                self.result.first_token_s = time.monotonic() - self.started
+            if choice.get("finish_reason"):
+                self.result.finish_reason = choice["finish_reason"]
+
+    def finish(self) -> ChatResult:
+        self.result.reasoning, self.result.content = "".join(self.reasoning), "".join(self.content)
+        self.result.latency_s = time.monotonic() - self.started
+        return self.result
+
+
+def stream_chat(session: requests.Session, base_url: str, api_key: str, payload: dict, *, stall_s: float,
+                cap_s: float, stop: threading.Event | None = None) -> ChatResult:
+    body = {**payload, "stream": True, "stream_options": {"include_usage": True}}
+    started = time.monotonic()
+    answer = _Assembly(started)
+    try:
+        resp = session.post(f"{base_url}/v1/chat/completions", json=body, stream=True, timeout=(10, stall_s),
+                            headers=auth_headers(api_key))
+    except requests.RequestException as exc:
+        raise TransientError(f"{type(exc).__name__} connecting to {base_url}: {exc}") from exc
+    with resp:
+        if resp.status_code == 429:
+            raise TransientError(f"HTTP {resp.status_code} from {base_url}: {_error_message(resp)}")
+        if resp.status_code >= 500:
+            raise ServerError(resp.status_code, _error_message(resp), base_url)
+        if resp.status_code in (401, 403):
+            raise _auth_error(base_url, resp)
+        if resp.status_code >= 400:
+            raise PromptError(resp.status_code, _error_message(resp))
+        done = False
+        try:
+            for data in sse_data(_checked(resp.iter_content(chunk_size=None), started, cap_s, stop)):
+                # Read on past `[DONE]` to the body's end: only a fully read response goes back to the pool.
+                if done or data == b"[DONE]":
+                    done = True
+                    continue
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    raise TransientError(f"server aborted the stream: {_error_text(chunk)}")
+                answer.add(chunk)
+        except requests.exceptions.ConnectionError as exc:  # includes read timeouts while streaming
+            kind = "stalled" if "timed out" in str(exc).lower() else "connection lost"
+            raise TransientError(f"stream {kind} after {time.monotonic() - started:.0f} s "
+                                 f"(no data for {stall_s:.0f} s?): {exc}") from exc
+        except (requests.RequestException, json.JSONDecodeError) as exc:
+            raise TransientError(f"broken stream from {base_url}: {type(exc).__name__}: {exc}") from exc
+    if answer.result.finish_reason is None:
+        raise TransientError("stream ended without a finish_reason")
+    return answer.finish()
+
+
+def _checked(chunks: Iterable[bytes], started: float, cap_s: float, stop: threading.Event | None
+             ) -> Iterator[bytes]:
+    """`chunks`, with the overall cap and the caller's stop event checked before each one is used."""
+    for chunk in chunks:
+        if time.monotonic() - started > cap_s:
+            raise TransientError(f"request exceeded the overall cap of {cap_s:.0f} s")
+        if stop is not None and stop.is_set():
+            raise Cancelled(f"stopped by the caller after {time.monotonic() - started:.1f} s")
+        yield chunk
+
+
+def reasoning_tokens(usage: dict) -> int:
+    """Top-level `usage.reasoning_tokens` (every version), else `completion_tokens_details` (0.5.23+)."""
+    if usage.get("reasoning_tokens") is not None:
+        return int(usage["reasoning_tokens"])
+    return int((usage.get("completion_tokens_details") or {}).get("reasoning_tokens") or 0)
+
+
+def read_json(resp: requests.Response, what: str) -> dict:
+    if resp.status_code >= 500 or resp.status_code == 429:
+        raise TransientError(f"{what} answered HTTP {resp.status_code}: {_error_message(resp)}")
+    if resp.status_code in (401, 403):
+        raise _auth_error(what, resp)
+    if resp.status_code >= 400:
+        raise PromptError(resp.status_code, f"{what}: {_error_message(resp)}")
+    try:
+        return resp.json()
+    except ValueError as exc:
+        raise TransientError(f"{what} answered non-JSON: {resp.text[:200]!r}") from exc
