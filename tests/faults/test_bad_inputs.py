@@ -4,8 +4,7 @@ the fix, before any GPU work where the input is knowable then, and leaves no pro
 import re
 
 import pytest
-from dag_helpers import run_dir_of, states
-from test_fault_matrix import check_invariants, logs
+from dag_helpers import check_invariants, logs, run_dir_of, states
 
 pytestmark = pytest.mark.usefixtures("no_leftover_servers")
 
