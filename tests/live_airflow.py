@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
@@ -78,12 +79,16 @@ class LiveAirflow:
         self._token: str | None = None
 
     # ------------------------------------------------------------------------------------------ lifecycle
-    def start(self, timeout_s: float = 180) -> None:
+    def start(self, timeout_s: float = 180, db: Path | None = None) -> None:
+        """Start every component; `db`: a migrated metadata DB to copy (conftest's template) instead of migrating."""
         self.home.mkdir(parents=True, exist_ok=True)
         (self.home / "passwords.json").write_text(json.dumps({"admin": self.password}))
-        done = subprocess.run([AIRFLOW, "db", "migrate"], env=self.env, capture_output=True, text=True,
-                              timeout=300, check=False)
-        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+        if db:
+            shutil.copyfile(db, self.home / "airflow.db")
+        else:
+            done = subprocess.run([AIRFLOW, "db", "migrate"], env=self.env, capture_output=True, text=True,
+                                  timeout=300, check=False)
+            assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
         for name in ("api-server", "scheduler", "dag-processor"):
             self.start_component(name)
         self.wait_ready(timeout_s)

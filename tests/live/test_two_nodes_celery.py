@@ -59,7 +59,7 @@ def worker(af: LiveAirflow, node: str, queues: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def two_nodes(tmp_path_factory):
+def two_nodes(tmp_path_factory, airflow_db_template):
     tmp = tmp_path_factory.mktemp("celery")
     redis, port = start_redis(tmp)
     nodes = [{"name": name, "queue": name, "gpus": "0,1", "staging_dir": str(tmp / "shm" / name),
@@ -76,7 +76,7 @@ def two_nodes(tmp_path_factory):
     })
     af.nodes = {n["name"]: n for n in nodes}
     try:
-        af.start()
+        af.start(db=airflow_db_template)
         worker(af, "fast", "fast,default")  # the run-wide tasks (plan, assign, validate, publish) go to default
         worker(af, "slow", "slow")
         yield af
