@@ -172,8 +172,10 @@ def test_user_triggers_from_the_form_a_rest_client_and_the_user_each_clear_one_f
     log_in(page, af)
     page.screenshot(path=screenshots / "01-logged-in.png")
 
-    form = {("Prompts", "shard_size"): "20", ("Dispatch", "checkpoint_every"): "4",
-            ("Dispatch", "calibration_prompts"): "32"}  # the smallest calibration: twice the 16 slots
+    # 4 shards on 4 servers (fewer tasks and processes: each costs seconds on a loaded 2-core box), each shard
+    # on its own server; the smallest calibration: twice the 16 slots.
+    form = {("Fleet", "num_servers"): "4", ("Prompts", "shard_size"): "30", ("Dispatch", "checkpoint_every"): "4",
+            ("Dispatch", "calibration_prompts"): "32"}
     run_id = trigger_from_form(page, af, form, screenshots / "02-trigger-form.png")
     folder = run_dir(af, run_id)
     # The faults land once each shard has results on disk.
@@ -199,7 +201,7 @@ def test_user_triggers_from_the_form_a_rest_client_and_the_user_each_clear_one_f
     cleared = {(ti["task_id"], ti["map_index"]) for ti in dry["task_instances"]}
     assert {("generate", 3), ("launch_fleet", -1), ("health_check", -1), ("smoke_test", -1), ("stop_fleet", -1),
             ("validate", -1), ("publish", -1)} <= cleared, cleared
-    assert not {("generate", i) for i in (0, 1, 2, 4, 5)} & cleared, "clearing one shard re-ran others"
+    assert not {("generate", i) for i in (0, 1, 2)} & cleared, "clearing one shard re-ran others"
     af.api("POST", "/api/v2/dags/dflash_regen/clearTaskInstances", json={**body, "dry_run": False})
     states = af.wait_settled(run_id, timeout_s=600)
     assert states["generate[3]"] == "success" and states["generate[2]"] == "failed", states
@@ -263,7 +265,7 @@ def test_user_triggers_from_the_form_a_rest_client_and_the_user_each_clear_one_f
     fleet = open_run_tab(page, af, run_id, "dflash-fleet", "Fleet")
     fleet.locator("#servers").wait_for()
     font_of(fleet)
-    assert fleet.locator("#servers tr").count() == 1 + 7  # header + every server
+    assert fleet.locator("#servers tr").count() == 1 + 4  # header + every server
     assert fleet.locator("#done").inner_text().split("/")[0].strip() == f"{len(ids):,}"
     assert 'class="badge ok">run success' in fleet.locator("#run-state").inner_html()
     incidents = fleet.locator("#incidents").inner_text()  # the server killed, the shard failed and retried
