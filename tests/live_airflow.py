@@ -73,6 +73,8 @@ class LiveAirflow:
             "AIRFLOW__LOGGING__WORKER_LOG_SERVER_PORT": str(port + 1),
             "AIRFLOW__LOGGING__TRIGGER_LOG_SERVER_PORT": str(port + 2),
             "AIRFLOW__SCHEDULER__TASK_INSTANCE_HEARTBEAT_TIMEOUT": "60",
+            # The DAG file does not change during a session: parsed once, not again every 30 s (CPU the tests need).
+            "AIRFLOW__DAG_PROCESSOR__MIN_FILE_PROCESS_INTERVAL": "3600",
             **extra_env,
         }
         self.output_root = Path(extra_env["DFLASH_OUTPUT_ROOT"])  # where the DAG's runs land by default
