@@ -12,6 +12,7 @@ the key never logged) rides on the oldest-SGLang run in tests/e2e/test_dag_run.p
 """
 
 import json
+from pathlib import Path
 
 import pytest
 from conftest import tmpfs
@@ -71,6 +72,7 @@ def test_5_low_allocation_fails_health_naming_the_server_and_still_stops_the_fle
     assert got["stop_fleet"] == "success"  # the teardown runs although a gate failed
     assert dag_run.state == "failed"
     check_invariants(conf, dag_run, published=False)
+    assert not (Path(conf["output_root"]) / "published").exists()
     assert "health check failed on 1 of 2 servers" in logs(caplog, capfd) and "server 1 (GPU 1" in logs(caplog, capfd)
     report = json.loads((run_dir_of(conf, dag_run) / "reports" / "health.json").read_text())
     assert not report["passed"] and "server 1 (GPU 1" in report["error"]
