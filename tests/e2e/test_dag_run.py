@@ -17,7 +17,8 @@ def test_demo_dag_runs_green_on_seven_emulated_servers(dag, run_params, no_lefto
     # In the newest supported SGLang's mode (the oldest's: the next test; the default's: every other test).
     # autotune advises within a 4 s budget: the current settings are measured, every other candidate is over the
     # budget (tests/integration/test_autotune_on_fleet.py measures them), then the fleet is relaunched.
-    conf = run_params(7, shard_size=20, emulator_profile={**FAST_PROFILE, "sglang_version": sglang.NEWEST_CHECKED},
+    # Three shards (mapped tasks, and fewer tokenize tasks: each loads the tokenizer).
+    conf = run_params(7, shard_size=40, emulator_profile={**FAST_PROFILE, "sglang_version": sglang.NEWEST_CHECKED},
                       autotune="advise", autotune_candidate_s=2.0, autotune_budget_s=4.0)
     dag_run = dag.test(run_conf=conf)
     assert states(dag_run) == {t: "success" for t in ("stage_weights", "launch_fleet", "health_check", "smoke_test",
@@ -25,7 +26,7 @@ def test_demo_dag_runs_green_on_seven_emulated_servers(dag, run_params, no_lefto
                                                        "validate", "publish", "stop_fleet", "check_published")}
     assert dag_run.state == "success"
     labels = sorted(ti.rendered_map_index for ti in dag_run.get_task_instances() if ti.task_id == "generate")
-    assert labels[0] == "shard 0000 (20 prompts)" and len(labels) == 6
+    assert labels[0] == "shard 0000 (40 prompts)" and len(labels) == 3
     run_dir = run_dir_of(conf, dag_run)
     plan = json.loads((run_dir / "reports" / "plan.json").read_text())
     completions = [sid for p in (run_dir / "completions").glob("shard-*.parquet")
@@ -87,7 +88,7 @@ def test_demo_dag_runs_green_on_seven_emulated_servers(dag, run_params, no_lefto
 
 def test_whole_dag_is_green_in_the_oldest_supported_sglangs_mode_on_loopback_and_never_logs_the_key(
         dag, run_params, no_leftover_servers, caplog, capfd):
-    conf = run_params(2, shard_size=61, calibration_prompts=0,
+    conf = run_params(2, shard_size=1000, calibration_prompts=0,  # one shard
                       emulator_profile={**FAST_PROFILE, "sglang_version": sglang.OLDEST})
     dag_run = dag.test(run_conf=conf)
     assert dag_run.state == "success", states(dag_run)

@@ -23,6 +23,8 @@ from dflash_regen.demo_prompts import demo_rows
 pytestmark = pytest.mark.usefixtures("no_leftover_servers")
 # Calibration is covered by tests/integration/test_capacity_on_fleet.py and e2e; no case here needs it.
 QUICK = {"calibration_prompts": 0}
+# One shard, where the case is not about shards: each shard's tokenize task costs seconds (its tokenizer load).
+ONE_SHARD = 1000
 
 
 def test_1_and_11_a_killed_server_and_a_dead_scheduler_behind_a_live_front_are_both_failed_over(
@@ -43,7 +45,7 @@ def test_1_and_11_a_killed_server_and_a_dead_scheduler_behind_a_live_front_are_b
 
 
 def test_3_http_errors_and_hangs_still_produce_every_sample(dag, run_params):
-    conf = run_params(2, **QUICK, shard_size=61, stall_timeout_s=3.0, smoke_timeout_s=5.0, request_retries=6,
+    conf = run_params(2, **QUICK, shard_size=ONE_SHARD, stall_timeout_s=3.0, smoke_timeout_s=5.0, request_retries=6,
                       emulator_faults={"*": {"http_error_rate": 0.05, "hang_rate": 0.01}})
     dag_run = dag.test(run_conf=conf)
     assert dag_run.state == "success", states(dag_run)
@@ -91,7 +93,7 @@ def test_6_and_8_malformed_rows_of_every_kind_and_a_looping_prompt_are_quarantin
            json.dumps({"id": "looper", "messages": [{"role": "user", "content": "Count primes (loop-test)"}]})]
     source = tmp_path / "prompts.jsonl"
     source.write_text("".join(json.dumps(r) + "\n" for r in good) + "\n".join(bad) + "\n")
-    conf = run_params(2, **QUICK, shard_size=40, prompt_source=str(source), max_bad_row_share=0.2,
+    conf = run_params(2, **QUICK, shard_size=ONE_SHARD, prompt_source=str(source), max_bad_row_share=0.2,
                       context_length=20000, max_tokens=8192, emulator_faults={"*": {"loop_substring": "loop-test"}})
     dag_run = dag.test(run_conf=conf)
     assert dag_run.state == "success", states(dag_run)
@@ -116,7 +118,7 @@ def test_7_staging_dir_without_space_fails_before_copying(dag, run_params, tmp_p
 
 def test_12_too_much_looping_reasoning_fails_the_gate_and_nothing_is_published(dag, run_params, caplog, capfd):
     # A fifth of the prompts loop (case 8, one looping prompt, is in test_6_and_8).
-    conf = run_params(2, **QUICK, shard_size=61, max_tokens=8192,
+    conf = run_params(2, **QUICK, shard_size=ONE_SHARD, max_tokens=8192,
                       emulator_faults={"*": {"loop_substring": "Summarise"}})
     dag_run = dag.test(run_conf=conf)
     got = states(dag_run)

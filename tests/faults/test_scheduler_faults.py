@@ -71,8 +71,8 @@ def test_9_and_10_node_dies_mid_run_the_same_run_id_resumes_and_publish_killed_m
         live_airflow):
     af = live_airflow
     run_id, dataset = "node_crash", "node-crash"
-    # 3 shards on 3 servers: the fewest tasks (each costs seconds of Airflow time) that still run side by side.
-    conf = {"num_servers": 3, "shard_size": 40, "checkpoint_every": 4, "calibration_prompts": 0,
+    # 2 shards on 2 servers: the fewest tasks (each costs seconds of Airflow time) that still run side by side.
+    conf = {"num_servers": 2, "shard_size": 60, "checkpoint_every": 4, "calibration_prompts": 0,
             "dataset_name": dataset}
     af.trigger(run_id, conf)
     folder = run_dir(af, run_id)
