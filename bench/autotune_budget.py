@@ -24,6 +24,8 @@ import time
 
 from benchlib import emulated_fleet, figure, parser, plan, work_dir, write_prompts, write_result
 
+from dflash_regen.layout import RunLayout
+
 SPEEDUP = 4  # --quick: 20 (it only checks that the benchmark runs)
 PRESET = {"decode_tokens_per_s": 218.0, "saturation_tokens_per_s": 2414.0}  # faults.PRESETS' B200 rates
 
@@ -68,9 +70,9 @@ def main() -> None:
     cookbook = phase(work, source, "cookbook", **common, autotune="off")
     tuned = phase(work, source, "autotuned", **common, autotune="apply")
     # The third run reuses the second's measurement (same settings, so the stored report applies).
-    reports = work / "out" / "runs" / "budget" / "reports"
-    reports.mkdir(parents=True, exist_ok=True)
-    shutil.copy(work / "out" / "runs" / "autotuned" / "reports" / "autotune.json", reports / "autotune.json")
+    reused = RunLayout.of(work / "out", "budget").report("autotune")
+    reused.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copy(RunLayout.of(work / "out", "autotuned").report("autotune"), reused)
     budget = phase(work, source, "budget", **common, autotune="apply", budget="train_length")
     figures = [
         figure(8, "Whole-run generation wall time, autotuned / cookbook (emulated B200)",

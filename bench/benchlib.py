@@ -118,7 +118,7 @@ def share_fleet(fl: Fleet, run_id: str) -> None:
 
     dest = RunConfig.from_params(fl.params, run_id).fleet_dir
     dest.mkdir(parents=True, exist_ok=True)
-    for path in [*fl.cfg.fleet_dir.glob("server-*.json"), fl.cfg.fleet_dir / "api_key"]:
+    for path in [*fl.cfg.layout.fleet.server_specs(), fl.cfg.layout.fleet.api_key]:
         shutil.copy(path, dest)
 
 
@@ -144,7 +144,7 @@ def plan(params: dict, run_id: str, source: Path) -> dict:
     from dflash_regen.planning import plan_shards
 
     cfg = RunConfig.from_params({**params, "prompt_source": str(source)}, run_id)
-    return plan_shards(source, cfg.run_dir / "shards", cfg.run_dir / "failures" / "plan.parquet", cfg.plan)
+    return plan_shards(source, cfg.layout, cfg.plan)
 
 
 # -------------------------------------------------------------------------------- measured child processes

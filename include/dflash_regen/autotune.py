@@ -25,6 +25,7 @@ import json
 import logging
 import sys
 import time
+from contextlib import ExitStack
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -33,6 +34,7 @@ import numpy as np
 from dflash_regen import atomic, capacity, fleet, probes, smoke
 from dflash_regen.config import RunConfig
 from dflash_regen.errors import DflashError, GateFailed
+from dflash_regen.layout import FleetFiles
 
 log = logging.getLogger(__name__)
 
@@ -102,7 +104,6 @@ class Tuner:
 
     def __init__(self, cfg: RunConfig, model_path: Path, shards: list[dict], run_prompts: int):
         self.cfg, self.model_path, self.shards = cfg, model_path, shards
-        self.dir = cfg.run_dir / "autotune" / cfg.node if cfg.node else cfg.run_dir / "autotune"
         self.shape = capacity.RunShape(prompts=run_prompts, servers=cfg.fleet.num_servers,
                                        shard_size=cfg.plan.shard_size,
                                        concurrency_per_server=cfg.generation.in_flight)
@@ -120,12 +121,13 @@ class Tuner:
         except DflashError as exc:
             return {**row, "skipped": f"bad flags: {_first_line(exc)}"}
         one = replace(ccfg.fleet, num_servers=1, gpu_ids=ccfg.fleet.gpu_ids[:1])  # the first GPU, its port
-        where = self.dir / f"candidate-{index}"
-        try:
+        where = self.cfg.layout.autotune_candidate(index)
+        with ExitStack() as stack:  # the candidate's server is stopped however this ends
             try:
-                servers = fleet.launch_fleet(one, self.model_path, where)
+                servers = stack.enter_context(fleet.running(one, self.model_path, where))
             except DflashError as exc:
-                return {**row, "skipped": f"fails to start: {_first_line(exc)}", "log": str(where / "server-0.log")}
+                return {**row, "skipped": f"fails to start: {_first_line(exc)}",
+                        "log": str(FleetFiles(where).server_log(0))}
             key = fleet.read_api_key(where)
             try:
                 health = probes.health_gate(servers, key, one)
@@ -166,8 +168,6 @@ class Tuner:
                     "wall_s": sc["wall_s"], "wall_s_interval": sc["wall_s_interval"], "gpu_hours": sc["gpu_hours"],
                     "gpu_hours_interval": sc["gpu_hours_interval"], "curve": plan["curve"],
                     "measure_s": round(time.monotonic() - started, 1), "_mem": mem, "_health": health}
-        finally:
-            fleet.stop_fleet(where)
 
 
 def choose(rows: list[dict]) -> dict | None:
@@ -188,7 +188,7 @@ def tune(cfg: RunConfig, model_path: Path, shards: list[dict], run_prompts: int,
     predicts another run than this one (the CLI's)."""
     started = time.monotonic()
     # The sample must fill the largest batch tried twice over (a steady state), so draw it for 4x the slots.
-    health = json.loads((cfg.node_reports_dir / "health.json").read_text())
+    health = json.loads(cfg.layout.node_report("health").read_text())
     slots = min(s["allocation"]["running_slots"] for s in health["servers"] if s.get("allocation"))
     sample = capacity.sample_prompts(shards, max(cfg.capacity.calibration_prompts,
                                                  2 * max(BATCH_MULTIPLES) * slots), cfg.generation.seed)
@@ -323,18 +323,14 @@ def _emulate(ns) -> dict:
         model = write_demo_model(root / "model")
         source = Path(ns.prompt_source) if ns.prompt_source != DEMO_PROMPTS else write_demo_prompts(
             root / "prompts.jsonl", ns.demo_prompts)
-        plan = planning.plan_shards(source, cfg.run_dir / "shards", cfg.run_dir / "failures" / "plan.parquet",
-                                    replace(cfg.plan, max_bad_share=1.0))
-        servers = fleet.launch_fleet(cfg.fleet, model, cfg.fleet_dir)
-        try:
+        plan = planning.plan_shards(source, cfg.layout, replace(cfg.plan, max_bad_share=1.0))
+        with fleet.running(cfg.fleet, model, cfg.fleet_dir) as servers:
             key = fleet.read_api_key(cfg.fleet_dir)
-            atomic.write_json(cfg.reports_dir / "health.json", probes.health_gate(servers, key, cfg.fleet))
+            atomic.write_json(cfg.layout.node_report("health"), probes.health_gate(servers, key, cfg.fleet))
             shape = capacity.RunShape(ns.prompts or plan["accepted"], ns.servers, ns.shard_size, 0,
                                       ns.mean_output_tokens)
             return tune(cfg, model, plan["shards"], plan["accepted"], candidate_s=ns.candidate_s,
                         budget_s=ns.budget_s, extra=ns.candidate or [], shape=shape)
-        finally:
-            fleet.stop_fleet(cfg.fleet_dir)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash_regen.errors import ConfigError
+from dflash_regen.layout import RunLayout
 from dflash_regen.prompts import PROMPT_FORMATS
 from dflash_regen.quality import QualitySettings
 
@@ -339,21 +340,26 @@ class RunConfig:
     budget: str = "full"  # full | train_length: max_tokens per request = train_max_length - its prompt tokens
 
     @property
+    def layout(self) -> RunLayout:
+        """Every path of this run's folder, as this node sees it."""
+        return RunLayout.of(self.output_root, self.run_id, self.node)
+
+    @property
     def run_dir(self) -> Path:
-        return self.output_root / "runs" / self.run_id
+        return self.layout.run_dir
 
     @property
     def fleet_dir(self) -> Path:
-        return self.run_dir / "fleet" / self.node if self.node else self.run_dir / "fleet"
+        return self.layout.fleet_dir
 
     @property
     def reports_dir(self) -> Path:
-        return self.run_dir / "reports"
+        return self.layout.reports_dir
 
     @property
     def node_reports_dir(self) -> Path:
         """The fleet's reports (staging, health, smoke, capacity): per node when there are several."""
-        return self.reports_dir / "nodes" / self.node if self.node else self.reports_dir
+        return self.layout.node_reports_dir
 
     @property
     def publish_dir(self) -> Path:

@@ -41,6 +41,7 @@ from dflash_regen.config import DEMO_MODEL, DEMO_PROMPTS, RunConfig
 from dflash_regen.demo_model import write_demo_model
 from dflash_regen.demo_prompts import write_demo_prompts
 from dflash_regen.errors import GateFailed, NotRetryable, PublishRefused
+from dflash_regen.layout import FAILURES
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +79,7 @@ def leave_out_node(fn):
             if not node or params.get("node_failure") != "continue":
                 raise
             cfg = _cfg(params, run_id, node)
-            atomic.write_json(cfg.node_reports_dir / LEFT_OUT, {"node": cfg.node, "task": fn.__name__,
+            atomic.write_json(cfg.layout.node_report(LEFT_OUT), {"node": cfg.node, "task": fn.__name__,
                                                                 "error": str(exc), "at": time.time()})
             raise AirflowSkipException(f"node {cfg.node} is left out of this run (Param node_failure = continue), "
                                        f"its {fn.__name__} failed: {exc}") from exc
@@ -86,13 +87,13 @@ def leave_out_node(fn):
     return wrapper
 
 
-READY, LEFT_OUT = "ready.json", "left_out.json"
+READY, LEFT_OUT = "ready", "left_out"  # a node's reports: it passed its gates, or why it is left out
 
 
 def write_report(cfg: RunConfig, name: str, report: dict) -> Path:
     # The fleet's own reports are per node when there are several; plan, quality and the rest per run.
-    folder = cfg.node_reports_dir if name in {"staging", "health", "smoke", "capacity"} else cfg.reports_dir
-    path = folder / f"{name}.json"
+    own = name in {"staging", "health", "smoke", "capacity"}
+    path = cfg.layout.node_report(name) if own else cfg.layout.report(name)
     atomic.write_json(path, report)
     return path
 
@@ -123,7 +124,7 @@ def check_inputs(params: dict, run_id: str) -> dict:
 def stage_node(params: dict, run_id: str, checked: dict, node: dict | None = None) -> dict:
     cfg = _cfg(params, run_id, node)
     for name in (READY, LEFT_OUT):  # a run (or the same run id again) decides afresh whether the node takes part
-        (cfg.node_reports_dir / name).unlink(missing_ok=True)
+        cfg.layout.node_report(name).unlink(missing_ok=True)
     return _stage(cfg, Path(checked["model_source"]))
 
 
@@ -210,7 +211,7 @@ def autotune_fleet(params: dict, run_id: str, model_path: str, node: dict | None
     if not cfg.capacity.calibration_prompts:
         log.info("autotune skipped: it measures with calibration's sample and Param calibration_prompts is 0")
         return {"mode": settings.mode, "skipped": "calibration_prompts is 0"}
-    plan = json.loads((cfg.run_dir / "shards" / "plan.json").read_text())
+    plan = json.loads(cfg.layout.plan.read_text())
     print_ = autotune.fingerprint(cfg, settings.candidate_s, list(settings.extra))
     report = autotune.read_report(cfg.node_reports_dir)
     reused = bool(report and report.get("fingerprint") == print_ and report.get("candidates"))
@@ -262,27 +263,25 @@ def calibrate(params: dict, run_id: str, node: dict | None = None) -> dict:
         log.info("calibration skipped (Param calibration_prompts = 0)")
         return {"calibrated": False}
     servers, key = _servers(cfg)
-    health = json.loads((cfg.node_reports_dir / "health.json").read_text())
-    plan = json.loads((cfg.run_dir / "shards" / "plan.json").read_text())
+    health = json.loads(cfg.layout.node_report("health").read_text())
+    plan = json.loads(cfg.layout.plan.read_text())
     healthy = generation.healthy_servers(cfg.fleet_dir, servers)
     shape = capacity.RunShape(prompts=plan["accepted"], servers=len(healthy), shard_size=cfg.plan.shard_size,
                               concurrency_per_server=cfg.generation.in_flight)
-    lease = generation.lease_server(cfg.fleet_dir, healthy, 0, wait_s=cfg.fleet.ready_timeout_s)
-    try:
+    with fleet.lease(cfg.fleet_dir, healthy, 0, wait_s=cfg.fleet.ready_timeout_s) as server:
         tuned = autotune.applied_flags(cfg.node_reports_dir)  # the fleet runs the autotuned flags on top
         flags = " ".join(x for x in (cfg.params.get("server_flags") or "", tuned or "") if x)
-        report = capacity.calibrate(lease.server, key, health, plan["shards"], cfg.generation, shape,
-                                    prompts=cfg.capacity.calibration_prompts, server_flags=flags,
-                                    train_max_length=cfg.plan.train_max_length)
-    except capacity.TooFewPrompts as exc:  # a run this small is over before a prediction would help
-        log.warning("calibration skipped: %s", exc)
-        return {"calibrated": False}
-    except capacity.CapacityError as exc:
-        if not fleet.is_alive(lease.server):  # so the retry measures another server, as a shard's would
-            fleet.mark_unhealthy(cfg.fleet_dir, lease.server, str(exc))
-        raise
-    finally:
-        lease.release()
+        try:
+            report = capacity.calibrate(server, key, health, plan["shards"], cfg.generation, shape,
+                                        prompts=cfg.capacity.calibration_prompts, server_flags=flags,
+                                        train_max_length=cfg.plan.train_max_length)
+        except capacity.TooFewPrompts as exc:  # a run this small is over before a prediction would help
+            log.warning("calibration skipped: %s", exc)
+            return {"calibrated": False}
+        except capacity.CapacityError as exc:
+            if not fleet.is_alive(server):  # so the retry measures another server, as a shard's would
+                fleet.mark_unhealthy(cfg.fleet_dir, server, str(exc))
+            raise
     write_report(cfg, "capacity", report)
     log.info("capacity plan (reports/capacity.json):\n%s", capacity.format_table(report))
     current = report["scenarios"][0]
@@ -298,7 +297,7 @@ def node_ready(params: dict, run_id: str, calibrated: dict, node: dict) -> dict:
     report = capacity.read_report(cfg.node_reports_dir) if calibrated.get("calibrated") else None
     rps = report["scenarios"][0]["requests_per_s_per_server"] * len(healthy) if report else None
     ready = {"node": cfg.node, "servers": len(healthy), "prompts_per_s": rps}
-    atomic.write_json(cfg.node_reports_dir / READY, ready)
+    atomic.write_json(cfg.layout.node_report(READY), ready)
     return ready
 
 
@@ -314,11 +313,11 @@ def assign_shards(params: dict, run_id: str, shards: list[dict], node_names: lis
     cfg = RunConfig.from_params(params, run_id)
     ready, left_out = {}, {}
     for name in node_names:
-        folder = cfg.reports_dir / "nodes" / name
-        if (folder / READY).is_file():
-            ready[name] = json.loads((folder / READY).read_text())
+        ready_file, left_out_file = cfg.layout.node_report(READY, name), cfg.layout.node_report(LEFT_OUT, name)
+        if ready_file.is_file():
+            ready[name] = json.loads(ready_file.read_text())
         else:
-            record = json.loads((folder / LEFT_OUT).read_text()) if (folder / LEFT_OUT).is_file() else {}
+            record = json.loads(left_out_file.read_text()) if left_out_file.is_file() else {}
             left_out[name] = record.get("error", "its setup tasks did not finish")
     if left_out and params.get("node_failure") != "continue":
         raise GateFailed(f"nodes {', '.join(left_out)} failed their setup ({'; '.join(left_out.values())}); set Param "
@@ -355,33 +354,14 @@ def plan_shards(params: dict, run_id: str) -> list[dict]:
         source = write_demo_prompts(cfg.output_root / "demo-prompts" / "prompts.jsonl")
     # Airflow fails the expansion of more mapped tasks than this, after planning: refuse them here with the fix.
     settings = replace(cfg.plan, max_shards=conf.getint("core", "max_map_length", fallback=1024))
-    plan = planning.plan_shards(source, cfg.run_dir / "shards", cfg.run_dir / "failures" / "plan.parquet",
-                                settings)
+    plan = planning.plan_shards(source, cfg.layout, settings)
     write_report(cfg, "plan", {k: v for k, v in plan.items() if k != "shards"} | {"shards": len(plan["shards"])})
     return [{**s, "run_prompts": plan["accepted"]} for s in plan["shards"]]
 
 
 @fail_fast
 def generate(params: dict, run_id: str, shard: dict, node: dict | None = None) -> dict:
-    cfg = _cfg(params, run_id, node)
-    servers = fleet.load_servers(cfg.fleet_dir)
-    key = fleet.read_api_key(cfg.fleet_dir)
-    paths = generation.ShardPaths.of(cfg.run_dir, shard["shard"], Path(shard["path"]))
-    settings, expected_rps = cfg.generation, None
-    planned = capacity.read_report(cfg.node_reports_dir)
-    if planned:
-        expected_rps = planned["scenarios"][0]["requests_per_s_per_server"]
-        if cfg.capacity.apply_advised_concurrency:
-            settings = replace(settings, in_flight=planned["advice"]["concurrency_per_server"])
-    lease = generation.lease_server(cfg.fleet_dir, servers, shard["shard"], wait_s=cfg.fleet.ready_timeout_s,
-                                    avoid=generation.servers_failed_on(cfg.fleet_dir, shard["shard"]))
-    try:
-        healthy = len(generation.healthy_servers(cfg.fleet_dir, servers))
-        return generation.generate_shard(paths, lease, key, settings, fleet_dir=cfg.fleet_dir,
-                                         run_prompts=shard.get("run_prompts"), servers_sharing=healthy,
-                                         expected_rps=expected_rps)
-    finally:
-        lease.release()
+    return generation.run_shard(_cfg(params, run_id, node), shard)
 
 
 @fail_fast
@@ -389,17 +369,16 @@ def tokenize_shard(params: dict, run_id: str, generated: dict, node: dict | None
     cfg = _cfg(params, run_id, node)  # the tokenizer is in the node's staged model dir
     shard = generated["shard"]
     tok = tokenize.load_tokenizer(cfg.staging_dir)
-    return tokenized.tokenize_shard(cfg.run_dir / "shards" / f"shard-{shard:05d}.parquet", Path(generated["path"]),
-                                    cfg.run_dir / "tokenized", shard, tok, include_reasoning=cfg.mask_reasoning)
+    return tokenized.tokenize_shard(cfg.layout.shard(shard), Path(generated["path"]), cfg.layout, shard, tok,
+                                    include_reasoning=cfg.mask_reasoning)
 
 
 @fail_fast
 def validate(params: dict, run_id: str) -> dict:
     cfg = RunConfig.from_params(params, run_id)
-    plan = json.loads((cfg.run_dir / "shards" / "plan.json").read_text())
-    rejected = sum(pq.read_metadata(p).num_rows for p in (cfg.run_dir / "failures").glob("shard-*.parquet"))
-    report = quality.validate_run(cfg.run_dir, plan["accepted"] - rejected, cfg.quality,
-                                  cfg.reports_dir / "data_docs")
+    plan = json.loads(cfg.layout.plan.read_text())
+    rejected = sum(pq.read_metadata(p).num_rows for p in cfg.layout.merged_files(FAILURES))
+    report = quality.validate_run(cfg.layout, plan["accepted"] - rejected, cfg.quality, cfg.layout.data_docs)
     write_report(cfg, "quality", report)
     if not report["success"]:
         failed = [f"{e['expectation']} {e['kwargs'].get('column', '')}: observed {e['observed']}"
@@ -423,13 +402,13 @@ def check_published(params: dict, run_id: str) -> dict:
 @fail_fast
 def publish_dataset(params: dict, run_id: str) -> dict:
     cfg = RunConfig.from_params(params, run_id)
-    plan = json.loads((cfg.run_dir / "shards" / "plan.json").read_text())
-    report = json.loads((cfg.reports_dir / "quality.json").read_text())
+    plan = json.loads(cfg.layout.plan.read_text())
+    report = json.loads(cfg.layout.report("quality").read_text())
     if not report["success"]:
         raise GateFailed("the quality report says the gate failed; refusing to publish")
     publish.clean_stale_tmp(cfg.publish_dir.parent)
     config = {k: v for k, v in cfg.params.items() if k not in {"emulator_faults"}}
-    manifest = publish.publish_run(cfg.run_dir, cfg.publish_dir, plan, report, config, cfg.staging_dir,
-                                   nodes=nodes.split_report(cfg.run_dir))  # several nodes: what each did
+    manifest = publish.publish_run(cfg.layout, cfg.publish_dir, plan, report, config, cfg.staging_dir,
+                                   nodes=nodes.split_report(cfg.layout))  # several nodes: what each did
     return {"path": str(cfg.publish_dir), "samples": manifest["counts"]["published"],
             "quarantined": manifest["counts"]["quarantined"], "tokens": manifest["tokens"]["total"]}

@@ -9,9 +9,11 @@ import json
 import sys
 from pathlib import Path
 
+from dflash_regen.layout import COMPLETIONS, FAILURES, RunLayout, runs_dir
+
 
 def latest_run(output_root: Path) -> Path | None:
-    runs = [p for p in (output_root / "runs").glob("*") if p.is_dir()]
+    runs = [p for p in runs_dir(output_root).glob("*") if p.is_dir()]
     return max(runs, key=lambda p: p.stat().st_mtime) if runs else None
 
 
@@ -37,12 +39,12 @@ def summarize(output_root: Path, log_path: Path, rc: int) -> str:
     lines = []
     run = latest_run(output_root)
     if run is None:
-        lines.append(f"no run folder under {output_root}/runs")
+        lines.append(f"no run folder under {runs_dir(output_root)}")
     else:
         lines.append(f"run folder: {run}")
-        reports = run / "reports"
+        layout = RunLayout(run)
         for name in ("staging", "health", "smoke", "plan"):
-            path = reports / f"{name}.json"
+            path = layout.report(name)
             if not path.is_file():
                 lines.append(f"  {name:<8} (no report)")
                 continue
@@ -59,14 +61,14 @@ def summarize(output_root: Path, log_path: Path, rc: int) -> str:
                 lines.append(f"  {name:<8} {verdict} on {len(report['servers'])} servers")
             else:
                 lines.append(f"  {name:<8} FAILED: {report.get('error', '').splitlines()[0]}")
-        done = list((run / "completions").glob("shard-*.parquet"))
+        done = layout.merged_files(COMPLETIONS)
         if done:
             import pyarrow.parquet as pq
 
             rows = sum(pq.read_metadata(p).num_rows for p in done)
-            failed = sum(pq.read_metadata(p).num_rows for p in (run / "failures").glob("shard-*.parquet"))
+            failed = sum(pq.read_metadata(p).num_rows for p in layout.merged_files(FAILURES))
             lines.append(f"  generate {rows} completions in {len(done)} shards, {failed} rejected by the servers")
-        quality = reports / "quality.json"
+        quality = layout.report("quality")
         if quality.is_file():
             q = json.loads(quality.read_text())
             lines.append(f"  quality  {'passed' if q['success'] else 'FAILED'}: {q['kept']} kept, {q['quarantined']} "
@@ -76,7 +78,7 @@ def summarize(output_root: Path, log_path: Path, rc: int) -> str:
             lines.append(f"  publish  {manifest.parent}: {m['counts']['published']} samples, "
                          f"{m['tokens']['total']:,} tokens; {m['counts']['quarantined']} quarantined "
                          f"{m['counts']['quarantined_by_reason']}")
-        lines.append(f"  server logs: {run / 'fleet'}")
+        lines.append(f"  server logs: {layout.fleet_dir}")
     if rc != 0:
         lines.append(f"demo FAILED; task logs: {log_path}")
         lines.extend(f"  {line[:300]}" for line in task_failures(log_path))

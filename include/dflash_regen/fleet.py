@@ -10,31 +10,31 @@ the task that started it and how it ended (exit code or signal) lands in `fleet/
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import os
 import secrets
 import shlex
-import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from dflash_regen.config import FleetConfig
-from dflash_regen.errors import FleetError, LaunchRefused
+from dflash_regen.errors import FleetError, LaunchRefused, NoServerFree
+from dflash_regen.layout import FleetFiles
+from dflash_regen.preflight import preflight
 from dflash_regen.sglang import Api, Dialect
 
 log = logging.getLogger(__name__)
 
-API_KEY_FILE = "api_key"
 API_KEY_ENV = "DFLASH_SGLANG_API_KEY"
-NETWORK_FILESYSTEMS = {"nfs", "nfs4", "cifs", "smb3", "smbfs", "9p", "lustre", "gpfs", "beegfs", "ceph",
-                       "glusterfs", "afs", "davfs"}
 REDACTED = "***"
 
 
@@ -62,14 +62,6 @@ class Server:
         return f"server {self.index} (GPU {self.gpu}, {self.host}:{self.port})"
 
 
-def spec_path(fleet_dir: Path, index: int) -> Path:
-    return fleet_dir / f"server-{index}.json"
-
-
-def exit_path(fleet_dir: Path, index: int) -> Path:
-    return fleet_dir / f"exit-{index}.json"
-
-
 def how_it_ended(fleet_dir: Path, server: Server, wait_s: float = 0.0) -> str:
     """'was killed by SIGKILL', 'exited with code 1', or '' while the process runs. A caller that just lost
     its connections waits up to `wait_s`: a dying process still looks alive until the kernel has closed
@@ -77,7 +69,7 @@ def how_it_ended(fleet_dir: Path, server: Server, wait_s: float = 0.0) -> str:
     deadline = time.monotonic() + wait_s
     while True:
         try:
-            record = json.loads(exit_path(fleet_dir, server.index).read_text())
+            record = json.loads(FleetFiles(fleet_dir).exit_record(server.index).read_text())
         except (FileNotFoundError, ValueError):
             record = None
         if record and record.get("pid") == server.pid:
@@ -94,7 +86,7 @@ def ensure_api_key(fleet_dir: Path) -> str:
     """The key from the environment (a deployment secret) or a fresh random one, kept 0600 in the fleet dir."""
     key = os.environ.get(API_KEY_ENV) or secrets.token_hex(24)
     fleet_dir.mkdir(parents=True, exist_ok=True)
-    path = fleet_dir / API_KEY_FILE
+    path = FleetFiles(fleet_dir).api_key
     tmp = path.with_name(path.name + ".tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
@@ -104,7 +96,7 @@ def ensure_api_key(fleet_dir: Path) -> str:
 
 
 def read_api_key(fleet_dir: Path) -> str:
-    path = fleet_dir / API_KEY_FILE
+    path = FleetFiles(fleet_dir).api_key
     if not path.is_file():
         raise FleetError(f"no API key in {path}: the fleet of this run was never launched; run launch_fleet")
     return path.read_text().strip()
@@ -130,104 +122,13 @@ def plan_servers(cfg: FleetConfig, model_path: Path, fleet_dir: Path, api_key: s
                  dialect: Dialect | None = None) -> list[Server]:
     """One argv per server, with the flags in the names of the SGLang version that will run them."""
     flags = dialect.launch_flags(list(cfg.flags)) if dialect else list(cfg.flags)
-    servers = []
+    servers, files = [], FleetFiles(fleet_dir)
     for i in range(cfg.num_servers):
         argv = [*cfg.server_argv, "--model-path", str(model_path), "--served-model-name", cfg.served_model_name,
                 # '=' form: a key that starts with '-' would otherwise read as a flag to argparse.
                 "--host", cfg.host, "--port", str(cfg.port(i)), f"--api-key={api_key}", *flags]
-        servers.append(Server(i, cfg.gpu_ids[i], cfg.host, cfg.port(i), argv, str(fleet_dir / f"server-{i}.log")))
+        servers.append(Server(i, cfg.gpu_ids[i], cfg.host, cfg.port(i), argv, str(files.server_log(i))))
     return servers
-
-
-# ---------------------------------------------------------------------------------------------- pre-flight
-def _mount_type(path: Path) -> tuple[str, str]:
-    """Filesystem type and mount point holding `path` (longest matching mount point)."""
-    best = ("", "")
-    real = os.path.realpath(path)
-    with open("/proc/mounts") as f:
-        for line in f:
-            parts = line.split()
-            if len(parts) < 3:
-                continue
-            mount = parts[1].replace("\\040", " ")
-            if (real == mount or real.startswith(mount.rstrip("/") + "/")) and len(mount) > len(best[1]):
-                best = (parts[2], mount)
-    return best
-
-
-def _is_network_fs(fstype: str) -> bool:
-    return fstype in NETWORK_FILESYSTEMS or fstype.startswith("fuse.sshfs") or fstype.startswith("nfs")
-
-
-def check_port_free(host: str, port: int) -> None:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((host, port))
-        except OSError as exc:
-            raise LaunchRefused(f"port {port} on {host} is already in use ({exc.strerror}); another server is "
-                             f"running there. Find it with `ss -ltnp 'sport = :{port}'` and stop it, or set Param "
-                             "base_port to a free range.") from exc
-
-
-def check_server_command(cfg: FleetConfig) -> str:
-    """The interpreter must be on a local disk and import the server package in time; returns its version."""
-    exe = shutil.which(cfg.server_argv[0])
-    if exe is None:
-        raise LaunchRefused(f"server command {cfg.server_argv[0]!r} not found or not executable; build SGLang's "
-                         "venv with scripts/build-sglang-venv.sh and set Param server_command to its python")
-    fstype, mount = _mount_type(Path(exe))
-    if _is_network_fs(fstype):
-        raise LaunchRefused(f"server interpreter {exe} is on a network filesystem ({fstype} at {mount}); SGLang's "
-                         "imports hang there. Build a local venv (scripts/build-sglang-venv.sh) and point Param "
-                         "server_command at it.")
-    argv = list(cfg.server_argv)
-    if "-m" not in argv[:-1]:
-        return ""
-    package = argv[argv.index("-m") + 1].split(".")[0]
-    # The emulator says which SGLang it emulates (its profile is in the launch env); SGLang has __version__.
-    code = ("from dflash_regen.emulator.versions import emulated_version; print(emulated_version())"
-            if cfg.is_emulator else f"import {package}; print(getattr({package}, '__version__', ''))")
-    probe = [argv[0], "-c", code]
-    started = time.monotonic()
-    try:
-        done = subprocess.run(probe, capture_output=True, text=True, timeout=cfg.import_timeout_s, check=False,
-                              env={**os.environ, **dict(cfg.env)})
-    except subprocess.TimeoutExpired as exc:
-        raise FleetError(f"`{shlex.join(probe)}` did not finish in {cfg.import_timeout_s:.0f} s: imports are "
-                         "hanging (network filesystem? see the seed); use a local venv") from exc
-    if done.returncode != 0:
-        last = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
-        raise LaunchRefused(f"`{shlex.join(probe)}` failed (exit {done.returncode}): {last}. Install the server "
-                            "package into that interpreter (scripts/build-sglang-venv.sh).")
-    version = (done.stdout.strip().splitlines() or [""])[-1]
-    log.info("pre-flight: %s imports %s %s in %.1f s", argv[0], package, version, time.monotonic() - started)
-    return version
-
-
-def is_hybrid(model_path: Path) -> bool:
-    """Mamba-hybrid (Qwen3.5/3.6, Qwen3-Next) by the checkpoint's architecture, as SGLang decides it."""
-    try:
-        archs = json.loads((model_path / "config.json").read_text()).get("architectures") or []
-    except (OSError, ValueError):
-        return True
-    return any(a.startswith(("Qwen3_5", "Qwen3Next")) for a in archs)
-
-
-def preflight(cfg: FleetConfig, servers: list[Server], model_path: Path) -> Dialect | None:
-    """Everything checkable before a process starts; returns the SGLang version's dialect (None if unknown)."""
-    if not (model_path / "config.json").is_file():
-        raise LaunchRefused(f"model dir {model_path} has no config.json; run stage_weights first")
-    if len(set(cfg.gpu_ids)) != len(cfg.gpu_ids):
-        raise LaunchRefused(f"GPU ids {','.join(cfg.gpu_ids)} repeat a GPU; give each server its own")
-    for server in servers:
-        check_port_free(server.host, server.port)
-    version = check_server_command(cfg)
-    if not version:
-        return None
-    dialect = Dialect(version)
-    dialect.refuse(dialect.launch_flags(list(cfg.flags)), hybrid=is_hybrid(model_path))
-    return dialect
 
 
 # ------------------------------------------------------------------------------------------ process control
@@ -265,7 +166,8 @@ def start_server(server: Server, base_env: dict[str, str], fleet_dir: Path,
     env["CUDA_VISIBLE_DEVICES"] = server.gpu
     env["PYTHONUNBUFFERED"] = "1"
     log.info("launching %s: %s", server.name, redact(shlex.join(server.argv), api_key))
-    watch = [sys.executable, "-m", "dflash_regen.server_watch", str(exit_path(fleet_dir, server.index))]
+    exit_record = FleetFiles(fleet_dir).exit_record(server.index)
+    watch = [sys.executable, "-m", "dflash_regen.server_watch", str(exit_record)]
     with open(server.log_path, "ab") as logf:
         offset = logf.tell()
         proc = subprocess.Popen([*watch, *server.argv], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
@@ -281,7 +183,7 @@ def start_server(server: Server, base_env: dict[str, str], fleet_dir: Path,
                          "log_offset": offset})
     record = {**asdict(launched), "argv": [redact(a, api_key) for a in launched.argv],
               "env": base_env, "launched_at": time.time()}
-    path = spec_path(fleet_dir, server.index)
+    path = FleetFiles(fleet_dir).server_spec(server.index)
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(record, indent=1))
     os.replace(tmp, path)
@@ -290,7 +192,7 @@ def start_server(server: Server, base_env: dict[str, str], fleet_dir: Path,
 
 def load_servers(fleet_dir: Path) -> list[Server]:
     servers = []
-    for path in sorted(fleet_dir.glob("server-*.json"), key=lambda p: int(p.stem.split("-")[1])):
+    for path in FleetFiles(fleet_dir).server_specs():
         record = json.loads(path.read_text())
         servers.append(Server(**{k: record[k] for k in Server.__dataclass_fields__ if k in record}))
     return servers
@@ -342,17 +244,62 @@ def stop_fleet(fleet_dir: Path) -> list[str]:
     return stopped
 
 
-def _unhealthy_path(fleet_dir: Path, index: int) -> Path:
-    return fleet_dir / f"unhealthy-{index}"
-
-
 def mark_unhealthy(fleet_dir: Path, server: Server, reason: str) -> None:
-    _unhealthy_path(fleet_dir, server.index).write_text(reason)
+    FleetFiles(fleet_dir).unhealthy(server.index).write_text(reason)
     log.warning("marked %s unhealthy: %s", server.name, reason)
 
 
 def healthy_servers(fleet_dir: Path, servers: list[Server]) -> list[Server]:
-    return [s for s in servers if is_alive(s) and not _unhealthy_path(fleet_dir, s.index).exists()]
+    return [s for s in servers if is_alive(s) and not FleetFiles(fleet_dir).unhealthy(s.index).exists()]
+
+
+# ------------------------------------------------------------------------------------------------- leases
+@contextmanager
+def lease(fleet_dir: Path, servers: list[Server], shard: int, wait_s: float,
+          avoid: dict[int, str] | None = None) -> Iterator[Server]:
+    """Hold one healthy server exclusively for the block (`with fleet.lease(...) as server:`).
+
+    The hold is an `flock` on `fleet/lease-<i>.lock`: it dies with the process, so a killed task never leaves a
+    server leased. Never a server in `avoid` (where this shard failed before) while another is healthy; waits up
+    to `wait_s` for one to come free, then raises `NoServerFree`.
+    """
+    server, fd = _take_lease(fleet_dir, servers, shard, wait_s, avoid)
+    try:
+        yield server
+    finally:
+        os.close(fd)
+
+
+def _take_lease(fleet_dir: Path, servers: list[Server], shard: int, wait_s: float,
+                avoid: dict[int, str] | None = None) -> tuple[Server, int]:
+    deadline = time.monotonic() + wait_s
+    avoid = avoid or {}
+    while True:
+        candidates = healthy_servers(fleet_dir, servers)
+        if not candidates:
+            raise NoServerFree(f"no healthy server left in {fleet_dir} ({len(servers)} launched); check the "
+                               "server logs there, then clear launch_fleet to relaunch the fleet")
+        if any(s.index not in avoid for s in candidates):  # waiting for another server beats a faulty GPU
+            candidates = [s for s in candidates if s.index not in avoid]
+        # Start at a shard-dependent server so parallel tasks spread out instead of racing for server 0.
+        ordered = sorted(candidates, key=lambda s: (s.index - shard) % len(servers))
+        for server in ordered:
+            fd = os.open(FleetFiles(fleet_dir).lease_lock(server.index), os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                continue
+            os.ftruncate(fd, 0)
+            os.write(fd, f"shard {shard} pid {os.getpid()}\n".encode())
+            for index, reason in sorted(avoid.items()):
+                verdict = "leased it again: no other server is healthy" if index == server.index else \
+                    f"leased {server.name} instead"
+                log.warning("shard %d failed on server %d before (%s); %s", shard, index, reason, verdict)
+            return server, fd
+        if time.monotonic() > deadline:
+            raise NoServerFree(f"all {len(candidates)} healthy servers stayed leased for {wait_s:.0f} s")
+        time.sleep(0.5)
 
 
 # ---------------------------------------------------------------------------------------------- readiness
@@ -414,7 +361,7 @@ def launch_fleet(cfg: FleetConfig, model_path: Path, fleet_dir: Path) -> list[Se
     leftovers = stop_fleet(fleet_dir)  # a re-run of this run's setup after a crash or a cleared shard
     if leftovers:
         log.warning("stopped %d servers left running by an earlier attempt of this run", len(leftovers))
-    for marker in [*fleet_dir.glob("unhealthy-*"), *fleet_dir.glob("exit-*.json")]:  # a fresh fleet
+    for marker in FleetFiles(fleet_dir).launch_markers():  # a fresh fleet
         marker.unlink()
     api_key = ensure_api_key(fleet_dir)
     dialect = preflight(cfg, plan_servers(cfg, model_path, fleet_dir, api_key), model_path)
@@ -434,3 +381,14 @@ def launch_fleet(cfg: FleetConfig, model_path: Path, fleet_dir: Path) -> list[Se
         raise
     log.info("fleet of %d servers ready in %.1f s (slowest)", len(launched), max(ready.values()))
     return launched
+
+
+@contextmanager
+def running(cfg: FleetConfig, model_path: Path, fleet_dir: Path) -> Iterator[list[Server]]:
+    """A fleet for the block (`with fleet.running(...) as servers:`): launched, ready, and stopped on leaving it
+    however the block ends (the CLIs' and autotune's own fleets; the DAG's outlives its task, see `launch_fleet`)."""
+    servers = launch_fleet(cfg, model_path, fleet_dir)
+    try:
+        yield servers
+    finally:
+        stop_fleet(fleet_dir)

@@ -1,7 +1,6 @@
 """Generate one shard's completions on one leased server, exactly once and resumably.
 
-- **Lease**: the task takes an exclusive `flock` on one healthy server (`fleet/lease-<i>.lock`). The lock
-  dies with the process, so a killed task never leaves a server leased.
+- **Lease**: the task holds one healthy server for the shard (`fleet.lease`); `run_shard` is the whole task.
 - **Progress is keyed by `sample_id`**: finished rows go to checkpoint parts
   (`completions/shard-XXXXX/part-*.parquet`, tmp + rename) every N results or T seconds, and 4xx-rejected
   prompts to `failures/shard-XXXXX/part-*.parquet`. A rerun reads both and sends only what is missing,
@@ -15,72 +14,64 @@
   server: failing there too, it is the prompt's fault (quarantined with both servers' messages, as 4xx
   answers are); a 401/403 fails the shard at once (the API key). Quarantines above `max_error_share` of a
   shard fail it.
+
+One sample's requests (payload, seed, retries, second opinion) are `generator`'s; the parts and their merge are
+`checkpoints`'.
 """
 
 from __future__ import annotations
 
-import fcntl
-import hashlib
 import json
 import logging
-import os
-import threading
 import time
-import uuid
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from itertools import islice
 from pathlib import Path
 
-import pyarrow as pa
 import pyarrow.parquet as pq
 
-from dflash_regen import atomic, sglang, shard_status
-from dflash_regen.config import GenerationSettings
+from dflash_regen import atomic, capacity, sglang, shard_status
+from dflash_regen.checkpoints import merge_parts, read_done, write_part
+from dflash_regen.config import GenerationSettings, RunConfig
 from dflash_regen.errors import (
     AuthError,
     ConfigError,
     DflashError,
-    NoServerFree,
     NotRetryable,
     PromptError,
-    ServerError,
     ServerUnhealthy,
     ShardFailed,
     TooManyPromptErrors,
     TransientError,
 )
-from dflash_regen.fleet import Server, healthy_servers, how_it_ended, is_alive, load_servers, log_tail, mark_unhealthy
-from dflash_regen.planning import QUARANTINE_SCHEMA, TokenCounter
+from dflash_regen.fleet import (
+    Server,
+    healthy_servers,
+    how_it_ended,
+    lease,
+    load_servers,
+    log_tail,
+    mark_unhealthy,
+    read_api_key,
+)
+from dflash_regen.generator import Generator, Stopped, chat_payload, sample_seed
+from dflash_regen.layout import COMPLETIONS, FAILURES, FleetFiles, RunLayout
+from dflash_regen.planning import TokenCounter
 from dflash_regen.prompts import Prompt
-from dflash_regen.sglang import ChatResult, make_session, stream_chat
+from dflash_regen.schemas import COMPLETION, QUARANTINE
+
+# Also here for the callers that know them as generation's (tests, bench): the request and checkpoint rules.
+__all__ = ["Generator", "ShardPaths", "chat_payload", "generate_shard", "healthy_servers",
+           "merge_parts", "read_done", "record_failure", "run_shard", "sample_seed", "servers_failed_on",
+           "write_part"]
 
 log = logging.getLogger(__name__)
-
-THINK_MARKERS = ("<think>", "</think>")
-# A cut answer is closed by the chat template (`</think>`, `\n\n`, `<|im_end|>`, `\n`): leave it room within the
-# training length, so a sample cut by Param budget train_length still fits train_max_length once tokenized.
-TRAIN_BUDGET_RESERVE = 8
-COMPLETION_SCHEMA = pa.schema([
-    ("sample_id", pa.string()), ("shard", pa.int32()), ("server", pa.string()),
-    ("reasoning_content", pa.string()), ("content", pa.string()), ("tool_calls", pa.string()),
-    ("finish_reason", pa.string()), ("prompt_tokens", pa.int32()), ("completion_tokens", pa.int32()),
-    ("reasoning_tokens", pa.int32()), ("latency_s", pa.float32()), ("finished_at", pa.float64()),
-    ("attempt", pa.int16()),
-    ("max_tokens", pa.int32()), ("temperature", pa.float32()), ("top_p", pa.float32()), ("top_k", pa.int32()),
-    ("min_p", pa.float32()), ("presence_penalty", pa.float32()), ("seed", pa.int64()),
-    ("enable_thinking", pa.bool_()), ("served_model", pa.string()), ("model_revision", pa.string()),
-    ("reasoning_parser", pa.string()), ("think_marker_leak", pa.bool_()), ("empty_content", pa.bool_()),
-    ("assistant_turns", pa.string()), ("truncated_at_train_length", pa.bool_()),
-])
-
-
-class _Stopped(ServerUnhealthy):
-    """Raised in the other workers once one of them found the server dead: not the cause, only its echo."""
 
 
 # ---------------------------------------------------------------------------------- where a shard failed
 def _failed_path(fleet_dir: Path, shard: int) -> Path:
-    return fleet_dir / f"failed-shard-{shard:05d}.json"
+    return FleetFiles(fleet_dir).failed_shard(shard)
 
 
 def record_failure(fleet_dir: Path, shard: int, server: Server, reason: str) -> None:
@@ -95,247 +86,6 @@ def servers_failed_on(fleet_dir: Path, shard: int) -> dict[int, str]:
     """Server index -> the latest reason `shard` failed there."""
     path = _failed_path(fleet_dir, shard)
     return {h["server"]: h["reason"] for h in json.loads(path.read_text())} if path.is_file() else {}
-
-
-# ------------------------------------------------------------------------------------------------- leases
-class Lease:
-    """An exclusive hold on one server for the life of this process (flock)."""
-
-    def __init__(self, server: Server, fd: int):
-        self.server, self._fd = server, fd
-
-    def release(self) -> None:
-        os.close(self._fd)
-
-
-def lease_server(fleet_dir: Path, servers: list[Server], shard: int, wait_s: float,
-                 avoid: dict[int, str] | None = None) -> Lease:
-    """Lease a healthy server, never one in `avoid` (where this shard failed before) while another is healthy."""
-    deadline = time.monotonic() + wait_s
-    avoid = avoid or {}
-    while True:
-        candidates = healthy_servers(fleet_dir, servers)
-        if not candidates:
-            raise NoServerFree(f"no healthy server left in {fleet_dir} ({len(servers)} launched); check the "
-                               "server logs there, then clear launch_fleet to relaunch the fleet")
-        if any(s.index not in avoid for s in candidates):  # waiting for another server beats a faulty GPU
-            candidates = [s for s in candidates if s.index not in avoid]
-        # Start at a shard-dependent server so parallel tasks spread out instead of racing for server 0.
-        ordered = sorted(candidates, key=lambda s: (s.index - shard) % len(servers))
-        for server in ordered:
-            fd = os.open(fleet_dir / f"lease-{server.index}.lock", os.O_RDWR | os.O_CREAT, 0o644)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                os.close(fd)
-                continue
-            os.ftruncate(fd, 0)
-            os.write(fd, f"shard {shard} pid {os.getpid()}\n".encode())
-            for index, reason in sorted(avoid.items()):
-                verdict = "leased it again: no other server is healthy" if index == server.index else \
-                    f"leased {server.name} instead"
-                log.warning("shard %d failed on server %d before (%s); %s", shard, index, reason, verdict)
-            return Lease(server, fd)
-        if time.monotonic() > deadline:
-            raise NoServerFree(f"all {len(candidates)} healthy servers stayed leased for {wait_s:.0f} s")
-        time.sleep(0.5)
-
-
-# ---------------------------------------------------------------------------------------------- checkpoints
-def _sources(folder: Path, target: Path) -> list[Path]:
-    """A merged shard file (if a crash hit between two merges) and every checkpoint part."""
-    parts = sorted(folder.glob("part-*.parquet")) if folder.is_dir() else []
-    return ([target] if target.is_file() else []) + parts
-
-
-def read_done(folder: Path, target: Path) -> set[str]:
-    done: set[str] = set()
-    for path in _sources(folder, target):
-        done.update(pq.read_table(path, columns=["sample_id"]).column("sample_id").to_pylist())
-    return done
-
-
-def write_part(folder: Path, rows: list[dict], schema: pa.Schema) -> None:
-    if rows:
-        table = pa.Table.from_pylist(rows, schema=schema)
-        atomic.write_table(table, folder / f"part-{time.time_ns():020d}-{uuid.uuid4().hex[:8]}.parquet")
-
-
-def merge_parts(folder: Path, target: Path, schema: pa.Schema) -> int:
-    """One file, each sample once (first write wins), written atomically; parts removed afterwards.
-
-    Duplicates are real: two attempts of one shard can run at once (a zombie task and its retry), and a
-    kill between the rename and the unlinks leaves the merged rows in their parts too.
-    """
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with open(target.with_name(f".{target.name}.lock"), "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # concurrent attempts merge one at a time (the lock dies with them)
-        sources = _sources(folder, target)
-        tables = [pq.read_table(p, schema=schema) for p in sources]
-        table = pa.concat_tables(tables) if tables else schema.empty_table()
-        ids = table.column("sample_id").to_pylist()
-        seen: set = set()
-        keep = [i for i, sid in enumerate(ids) if not (sid in seen or seen.add(sid))]
-        table = table.take(pa.array(keep, pa.int64())) if len(keep) != len(ids) else table
-        atomic.write_table(table, target)
-        for p in sources:
-            if p != target:
-                p.unlink()
-    return table.num_rows
-
-
-# ---------------------------------------------------------------------------------------------- requests
-def sample_seed(sample_id: str, run_seed: int) -> int:
-    return (int(hashlib.sha256(sample_id.encode()).hexdigest()[:8], 16) + run_seed) % (2**31)
-
-
-def chat_payload(messages: list[dict], tools: list[dict] | None, settings: GenerationSettings, seed: int,
-                 max_tokens: int) -> dict:
-    return sglang.chat_payload(messages, tools, settings, model=settings.served_model, max_tokens=max_tokens,
-                               seed=seed)
-
-
-def _turn(result: ChatResult) -> dict:
-    turn: dict = {"role": "assistant", "content": result.content}
-    if result.reasoning:
-        turn["reasoning_content"] = result.reasoning
-    if result.tool_calls:
-        turn["tool_calls"] = result.tool_calls
-    return turn
-
-
-class Generator:
-    """Sends one sample's requests with per-request retries; shared by the shard's worker threads."""
-
-    def __init__(self, server: Server, api_key: str, settings: GenerationSettings, in_flight: int,
-                 model_revision: str | None, fleet_dir: Path | None = None):
-        self.server, self.api_key, self.settings, self.fleet_dir = server, api_key, settings, fleet_dir
-        self.model_revision = model_revision
-        self.session = make_session(in_flight)
-        self.stop = threading.Event()
-        self._lock = threading.Lock()
-        self._consecutive_failures = 0
-        self.failure_limit = max(2 * in_flight, 8)
-
-    def _request(self, payload: dict) -> tuple[ChatResult, int, str]:
-        """(result, attempts, name of the server that answered)."""
-        delay = 1.0
-        for attempt in range(1, self.settings.request_retries + 2):
-            if self.stop.is_set():
-                raise _Stopped("stopping: another request found the server unhealthy")
-            try:
-                result = stream_chat(self.session, self.server.url, self.api_key, payload,
-                                     stall_s=self.settings.stall_s, cap_s=self.settings.request_cap_s)
-            except TransientError as exc:
-                with self._lock:
-                    self._consecutive_failures += 1
-                    too_many = self._consecutive_failures >= self.failure_limit
-                if too_many or not self._server_answers():
-                    self.stop.set()
-                    raise ServerUnhealthy(f"{self.server.name} stopped answering "
-                                          f"({self._consecutive_failures} failures in a row; last: {exc})") from exc
-                if attempt > self.settings.request_retries:
-                    if isinstance(exc, ServerError):
-                        result, served_by = self._second_opinion(payload, exc)
-                        return result, attempt + 1, served_by
-                    raise
-                log.warning("%s: attempt %d failed (%s); retrying in %.0f s", self.server.name, attempt, exc, delay)
-                time.sleep(delay)
-                delay = min(delay * 2, 30)
-                continue
-            with self._lock:
-                self._consecutive_failures = 0
-            return result, attempt, self.server.name
-        raise AssertionError("unreachable")
-
-    def _probe(self, server: Server) -> int | None:
-        """HTTP status of a real 1-token generation (None: no answer). `/health` can answer while the
-        scheduler is wedged (sglang#6624)."""
-        if not is_alive(server):
-            return None
-        return sglang.Api(server.url, self.api_key).probe(self.settings.served_model,
-                                                          timeout_s=min(30.0, self.settings.stall_s))
-
-    def _server_answers(self) -> bool:
-        return self._probe(self.server) is not None  # any answer, even a 5xx, means the scheduler is there
-
-    def _second_opinion(self, payload: dict, first: ServerError) -> tuple[ChatResult, str]:
-        """Every retry of this prompt met `first`: whose fault is it? The server's if it fails a plain probe
-        too (ServerUnhealthy); the prompt's if a second server fails it as well (PromptError, quarantined);
-        else the second server's answer is the result."""
-        if self._probe(self.server) != 200:
-            raise ServerUnhealthy(f"{self.server.name} fails other prompts too (a 1-token probe got no 200); "
-                                  f"last: {first}")
-        with self._lock:
-            self._consecutive_failures = 0  # it answers other prompts: this one is the suspect
-        mine = f"{self.server.name}: HTTP {first.status}: {first.message}"
-        others = [s for s in healthy_servers(self.fleet_dir, load_servers(self.fleet_dir))
-                  if s.index != self.server.index] if self.fleet_dir else []
-        if not others:
-            raise PromptError(first.status, f"{mine} (on all {self.settings.request_retries + 1} tries; no other "
-                                            "healthy server to ask)")
-        other = others[0]
-        with make_session(1) as session:  # not the shard's pool, which is sized for the leased server
-            try:
-                result = stream_chat(session, other.url, self.api_key, payload, stall_s=self.settings.stall_s,
-                                     cap_s=self.settings.request_cap_s)
-            except (ServerError, PromptError) as exc:
-                raise PromptError(exc.status, f"{mine}; and {other.name}: {exc}") from exc
-            except TransientError:
-                raise first from None  # no verdict from the second server: still a transient failure
-        log.warning("%s failed one prompt on every try (%s) but %s answered it: its answer is kept",
-                    self.server.name, first, other.name)
-        return result, other.name
-
-    def generate(self, sample: dict) -> dict:
-        """One completion row for a shard row (sample_id, messages, tools)."""
-        s = self.settings
-        messages, tools = json.loads(sample["messages"]), json.loads(sample["tools"]) if sample["tools"] else None
-        seed = sample_seed(sample["sample_id"], s.seed)
-        turns: list[dict] = []
-        history: list[dict] = []
-        targets = messages
-        if s.regenerate_history:
-            # Regenerate every assistant turn in order from the model's own earlier answers.
-            for msg in messages:
-                if msg["role"] == "assistant":
-                    result, _, _ = self._request(chat_payload(history, tools, s, seed, s.max_tokens))
-                    turns.append(_turn(result))
-                    history.append({"role": "assistant", "content": result.content,
-                                    **({"tool_calls": result.tool_calls} if result.tool_calls else {})})
-                else:
-                    history.append(msg)
-            targets = history
-        max_tokens = s.max_tokens
-        if s.train_budget:  # what the trainer reads: train_max_length - this prompt's tokens (planning's count)
-            room = s.train_budget - (sample.get("prompt_tokens") or 0) - TRAIN_BUDGET_RESERVE
-            max_tokens = max(1, min(s.max_tokens, room))
-        result, attempt, served_by = self._request(chat_payload(targets, tools, s, seed, max_tokens))
-        at_train_length = result.finish_reason == "length" and max_tokens < s.max_tokens
-        if s.retry_truncated and not at_train_length and (result.finish_reason == "length"
-                                                          or not (result.content or result.tool_calls)):
-            max_tokens = 2 * s.max_tokens
-            result, extra, served_by = self._request(chat_payload(targets, tools, s, seed, max_tokens))
-            attempt += extra
-        turns.append(_turn(result))
-        usage = result.usage or {}
-        return {
-            "sample_id": sample["sample_id"], "shard": sample["shard"], "server": served_by,
-            "reasoning_content": result.reasoning or None, "content": result.content or None,
-            "tool_calls": json.dumps(result.tool_calls) if result.tool_calls else None,
-            "finish_reason": result.finish_reason, "prompt_tokens": usage.get("prompt_tokens"),
-            "completion_tokens": usage.get("completion_tokens"), "reasoning_tokens": sglang.reasoning_tokens(usage),
-            "latency_s": result.latency_s, "finished_at": time.time(), "attempt": attempt, "max_tokens": max_tokens,
-            "temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k, "min_p": s.min_p,
-            "presence_penalty": s.presence_penalty, "seed": seed, "enable_thinking": s.enable_thinking,
-            "served_model": s.served_model, "model_revision": self.model_revision,
-            "reasoning_parser": s.reasoning_parser,
-            "think_marker_leak": any(m in (result.content or "") for m in THINK_MARKERS),
-            "empty_content": not (result.content or "").strip() and not result.tool_calls,
-            "assistant_turns": json.dumps(turns, ensure_ascii=False),
-            # Cut where the trainer stops reading (Param budget train_length): kept as training text, not a failure.
-            "truncated_at_train_length": at_train_length,
-        }
 
 
 # ------------------------------------------------------------------------------------------------ a shard
@@ -374,11 +124,9 @@ class ShardPaths:
     status: Path | None = None  # status/shard-XXXXX.json (shard_status)
 
     @classmethod
-    def of(cls, run_dir: Path, shard: int, prompts: Path) -> ShardPaths:
-        name = f"shard-{shard:05d}"
-        return cls(shard, prompts, run_dir / "completions" / name, run_dir / "failures" / name,
-                   run_dir / "completions" / f"{name}.parquet", run_dir / "failures" / f"{name}.parquet",
-                   shard_status.status_path(run_dir, shard))
+    def of(cls, layout: RunLayout, shard: int, prompts: Path) -> ShardPaths:
+        return cls(shard, prompts, layout.parts(COMPLETIONS, shard), layout.parts(FAILURES, shard),
+                   layout.merged(COMPLETIONS, shard), layout.merged(FAILURES, shard), layout.status(shard))
 
 
 def _server_facts(server: Server, api_key: str) -> tuple[int, str | None, int]:
@@ -427,90 +175,95 @@ def _check_refused_share(paths: ShardPaths, prompts: int, refused: int, limit: f
             "or raise the Param, then clear the shard")
 
 
-def generate_shard(paths: ShardPaths, lease: Lease, api_key: str, settings: GenerationSettings, *,
-                   fleet_dir: Path, run_prompts: int | None = None, servers_sharing: int = 1,
-                   expected_rps: float | None = None) -> dict:
-    """Complete the shard on the leased server; returns counts for XCom.
+class _Attempt:
+    """This attempt at a shard: what was done before it, what it has done, checkpointed (`flush`) and logged
+    (`progress`) as it goes."""
 
-    `expected_rps` (completions per second on one server, from the capacity plan) drives the ETA until the
-    shard's own rate means something.
-    """
-    started = time.monotonic()
-    if paths.output.is_file() and paths.failures_output.is_file():
-        done = pq.read_metadata(paths.output).num_rows
-        failed = pq.read_metadata(paths.failures_output).num_rows
-        log.info("shard %d already complete: %d completions, %d quarantined", paths.shard, done, failed)
-        _check_refused_share(paths, done + failed, failed, settings.max_error_share)
-        return {"shard": paths.shard, "completed": done, "quarantined": failed, "generated_now": 0,
-                "path": str(paths.output), "server": None}
-    table = pq.read_table(paths.prompts, columns=["sample_id", "messages", "tools", "prompt_tokens"])
-    done_ids = read_done(paths.parts, paths.output)
-    failed_ids = read_done(paths.failures, paths.failures_output)
-    todo = [{**row, "shard": paths.shard} for row in table.to_pylist()
-            if row["sample_id"] not in done_ids and row["sample_id"] not in failed_ids]
-    server = lease.server
-    status = shard_status.ShardStatus(paths.status, paths.shard, table.num_rows, server.name, len(done_ids),
-                                      len(failed_ids)) if paths.status else None
-    try:
-        slots, revision, context = _server_facts(server, api_key)
-    except ServerUnhealthy as exc:
-        raise _shard_failed(paths.shard, server, exc, fleet_dir, api_key, len(done_ids) + len(failed_ids),
-                            table.num_rows, status) from None
-    if settings.train_budget:  # each request's max_tokens needs its prompt's tokens (planning counts them: a
-        # shard planned without the budget has only the long ones counted)
-        counter = TokenCounter()
-        for row in todo:
-            if row.get("prompt_tokens") is None:
-                row["prompt_tokens"] = counter.count(Prompt(row["sample_id"], json.loads(row["messages"]),
-                                                            json.loads(row["tools"]) if row["tools"] else None, "", 0))
-    too_long = _too_long(todo, server, context, settings.max_tokens)
-    todo = [row for row in todo if row["sample_id"] not in too_long]
-    in_flight = settings.in_flight or slots
-    log.info("shard %d on %s: %d prompts, %d done before, %d quarantined before, %d to send, %d in flight",
-             paths.shard, server.name, table.num_rows, len(done_ids), len(failed_ids), len(todo), in_flight)
-    gen = Generator(server, api_key, settings, in_flight, revision, fleet_dir)
-    pending_rows: list[dict] = []
-    pending_failures: list[dict] = []
-    stats = {"completed": 0, "output_tokens": 0, "reasoning_tokens": 0, "quarantined": 0}
-    pending_failures.extend({"location": sid, "stage": "generate", "reason": "too_long", "detail": why,
-                             "sample_id": sid} for sid, why in too_long.items())
-    last_flush = last_log = time.monotonic()
+    def __init__(self, paths: ShardPaths, total: int, done_before: int, failed_before: int, todo: int,
+                 status: shard_status.ShardStatus | None, *, in_flight: int, expected_rps: float | None,
+                 run_prompts: int | None, servers_sharing: int, started: float):
+        self.paths, self.total, self.todo, self.status = paths, total, todo, status
+        self.in_flight, self.expected_rps = in_flight, expected_rps  # the ETA's inputs
+        self.run_prompts, self.servers_sharing = run_prompts, servers_sharing
+        self.done_before, self.failed_before = done_before, failed_before
+        self.rows: list[dict] = []
+        self.failures: list[dict] = []
+        self.stats = {"completed": 0, "output_tokens": 0, "reasoning_tokens": 0, "quarantined": 0}
+        self.started = started  # when the task began (reading the shard and asking the server count too)
+        self.last_flush = self.last_log = time.monotonic()
 
-    def flush() -> None:
-        nonlocal last_flush
-        write_part(paths.parts, pending_rows, COMPLETION_SCHEMA)
-        write_part(paths.failures, pending_failures, QUARANTINE_SCHEMA)
-        pending_rows.clear()
-        pending_failures.clear()
-        last_flush = time.monotonic()
-        if status:  # the heartbeat the Fleet page counts in-flight progress from
-            status.update(len(done_ids) + stats["completed"], len(failed_ids) + stats["quarantined"],
-                          stats["output_tokens"])
+    @property
+    def kept(self) -> int:
+        return self.done_before + self.failed_before + self.stats["completed"] + self.stats["quarantined"]
 
-    def progress() -> None:
-        elapsed = time.monotonic() - started
+    def flush(self) -> None:
+        write_part(self.paths.parts, self.rows, COMPLETION)
+        write_part(self.paths.failures, self.failures, QUARANTINE)
+        self.rows.clear()
+        self.failures.clear()
+        self.last_flush = time.monotonic()
+        if self.status:  # the heartbeat the Fleet page counts in-flight progress from
+            self.status.update(self.done_before + self.stats["completed"],
+                               self.failed_before + self.stats["quarantined"], self.stats["output_tokens"])
+
+    def progress(self) -> None:
+        stats, in_flight, expected_rps = self.stats, self.in_flight, self.expected_rps
+        run_prompts, servers_sharing = self.run_prompts, self.servers_sharing
+        elapsed = time.monotonic() - self.started
         rate, source = stats["completed"] / elapsed if elapsed else 0.0, "measured"
         # Until two batches have finished, the shard's own completion rate is mostly the batch still filling.
         if expected_rps and stats["completed"] < 2 * in_flight:
             rate, source = expected_rps, "calibrated"
-        left = len(todo) - stats["completed"] - stats["quarantined"]
+        left = self.todo - stats["completed"] - stats["quarantined"]
         eta = left / rate if rate else float("inf")
         run_eta = ""
         if run_prompts and rate:
             hours = run_prompts / (rate * max(servers_sharing, 1)) / 3600
             run_eta = f"; whole run ~{hours:.1f} h if {servers_sharing} servers keep this rate"
         log.info("shard %d: %d/%d done, %.0f output tok/s (%d reasoning / %d content tokens), ETA %.0f s "
-                 "(%s rate)%s", paths.shard, len(done_ids) + stats["completed"], table.num_rows,
+                 "(%s rate)%s", self.paths.shard, self.done_before + stats["completed"], self.total,
                  stats["output_tokens"] / elapsed, stats["reasoning_tokens"],
                  stats["output_tokens"] - stats["reasoning_tokens"], eta, source, run_eta)
 
+
+def _already_complete(paths: ShardPaths, settings: GenerationSettings) -> dict | None:
+    """The counts of a shard an earlier attempt finished (both merged files written), else None."""
+    if not (paths.output.is_file() and paths.failures_output.is_file()):
+        return None
+    done = pq.read_metadata(paths.output).num_rows
+    failed = pq.read_metadata(paths.failures_output).num_rows
+    log.info("shard %d already complete: %d completions, %d quarantined", paths.shard, done, failed)
+    _check_refused_share(paths, done + failed, failed, settings.max_error_share)
+    return {"shard": paths.shard, "completed": done, "quarantined": failed, "generated_now": 0,
+            "path": str(paths.output), "server": None}
+
+
+def _count_prompt_tokens(todo: list[dict]) -> None:
+    """Each request's max_tokens under the train-length budget needs its prompt's tokens (planning counts them: a
+    shard planned without the budget has only the long ones counted)."""
+    counter = TokenCounter()
+    for row in todo:
+        if row.get("prompt_tokens") is None:
+            row["prompt_tokens"] = counter.count(Prompt(row["sample_id"], json.loads(row["messages"]),
+                                                        json.loads(row["tools"]) if row["tools"] else None, "", 0))
+
+
+def _send_all(gen: Generator, todo: list[dict], attempt: _Attempt, settings: GenerationSettings,
+              in_flight: int) -> BaseException | None:
+    """Send every row with `in_flight` at once, checkpointing as results come; returns the error that stopped the
+    shard (the cause, not its echoes in the other workers), or None. Every finished result is flushed either way."""
+    # Local names for the attempt's lists and counters: the loop reads as the one it was in generate_shard.
+    pending_rows, pending_failures, stats = attempt.rows, attempt.failures, attempt.stats
+    flush, progress, paths = attempt.flush, attempt.progress, attempt.paths
     error: BaseException | None = None
     with ThreadPoolExecutor(max_workers=in_flight, thread_name_prefix=f"shard{paths.shard}") as pool:
-        futures: dict[Future, dict] = {pool.submit(gen.generate, row): row for row in todo}
-        not_done = set(futures)
+        # Only the requests in flight are pending: `wait` looks at each pending future every time, so
+        # submitting the whole shard up front would cost O(n^2) in this thread.
+        queued = iter(todo)
+        futures: dict[Future, dict] = {pool.submit(gen.generate, row): row for row in islice(queued, in_flight)}
         try:
-            while not_done:
-                finished, not_done = wait(not_done, timeout=1.0, return_when=FIRST_COMPLETED)
+            while futures:
+                finished, _ = wait(futures, timeout=1.0, return_when=FIRST_COMPLETED)
                 for fut in finished:
                     row = futures.pop(fut)
                     try:
@@ -522,7 +275,7 @@ def generate_shard(paths: ShardPaths, lease: Lease, api_key: str, settings: Gene
                         stats["quarantined"] += 1
                         continue
                     except (ServerUnhealthy, TransientError, AuthError) as exc:
-                        if error is None or isinstance(error, _Stopped):  # keep the cause, not its echoes
+                        if error is None or isinstance(error, Stopped):  # keep the cause, not its echoes
                             error = exc
                         gen.stop.set()
                         continue
@@ -532,32 +285,98 @@ def generate_shard(paths: ShardPaths, lease: Lease, api_key: str, settings: Gene
                     stats["reasoning_tokens"] += result["reasoning_tokens"] or 0
                 now = time.monotonic()
                 if len(pending_rows) + len(pending_failures) >= settings.checkpoint_every or \
-                        (now - last_flush >= settings.checkpoint_s and (pending_rows or pending_failures)):
+                        (now - attempt.last_flush >= settings.checkpoint_s and (pending_rows or pending_failures)):
                     flush()
-                if now - last_log >= settings.progress_s:
-                    last_log = now
+                if now - attempt.last_log >= settings.progress_s:
+                    attempt.last_log = now
                     progress()
-                if error is not None:
-                    for fut in not_done:
-                        fut.cancel()
+                if error is None:  # after an error, the requests in flight end (gen.stop) and nothing new starts
+                    futures.update((pool.submit(gen.generate, row), row) for row in islice(queued, len(finished)))
         finally:
             flush()  # keep every finished result, whatever happens next
+    return error
+
+
+def generate_shard(paths: ShardPaths, server: Server, api_key: str, settings: GenerationSettings, *,
+                   fleet_dir: Path, run_prompts: int | None = None, servers_sharing: int = 1,
+                   expected_rps: float | None = None) -> dict:
+    """Complete the shard on `server` (leased for it); returns counts for XCom.
+
+    `expected_rps` (completions per second on one server, from the capacity plan) drives the ETA until the
+    shard's own rate means something.
+    """
+    started = time.monotonic()
+    if (complete := _already_complete(paths, settings)) is not None:
+        return complete
+    table = pq.read_table(paths.prompts, columns=["sample_id", "messages", "tools", "prompt_tokens"])
+    done_ids = read_done(paths.parts, paths.output)
+    failed_ids = read_done(paths.failures, paths.failures_output)
+    todo = [{**row, "shard": paths.shard} for row in table.to_pylist()
+            if row["sample_id"] not in done_ids and row["sample_id"] not in failed_ids]
+    status = shard_status.ShardStatus(paths.status, paths.shard, table.num_rows, server.name, len(done_ids),
+                                      len(failed_ids)) if paths.status else None
+    try:
+        slots, revision, context = _server_facts(server, api_key)
+    except ServerUnhealthy as exc:
+        raise _shard_failed(paths.shard, server, exc, fleet_dir, api_key, len(done_ids) + len(failed_ids),
+                            table.num_rows, status) from None
+    if settings.train_budget:
+        _count_prompt_tokens(todo)
+    too_long = _too_long(todo, server, context, settings.max_tokens)
+    todo = [row for row in todo if row["sample_id"] not in too_long]
+    in_flight = settings.in_flight or slots
+    log.info("shard %d on %s: %d prompts, %d done before, %d quarantined before, %d to send, %d in flight",
+             paths.shard, server.name, table.num_rows, len(done_ids), len(failed_ids), len(todo), in_flight)
+    attempt = _Attempt(paths, table.num_rows, len(done_ids), len(failed_ids), len(todo), status,
+                       in_flight=in_flight, expected_rps=expected_rps, run_prompts=run_prompts,
+                       servers_sharing=servers_sharing, started=started)
+    attempt.failures.extend({"location": sid, "stage": "generate", "reason": "too_long", "detail": why,
+                             "sample_id": sid} for sid, why in too_long.items())
+    gen = Generator(server, api_key, settings, in_flight, revision, fleet_dir)
+    error = _send_all(gen, todo, attempt, settings, in_flight)
     if isinstance(error, AuthError):
         if status:
             status.finish("failed", error)
         raise error
     if error is not None:
-        kept = len(done_ids) + len(failed_ids) + stats["completed"] + stats["quarantined"]
         # from None: the message carries the cause; a chain of requests/urllib3 errors would bury it.
-        raise _shard_failed(paths.shard, server, error, fleet_dir, api_key, kept, table.num_rows, status) from None
-    progress()
-    completed = merge_parts(paths.parts, paths.output, COMPLETION_SCHEMA)
-    quarantined = merge_parts(paths.failures, paths.failures_output, QUARANTINE_SCHEMA)
-    if status:
-        status.finish("done")
+        raise _shard_failed(paths.shard, server, error, fleet_dir, api_key, attempt.kept, table.num_rows,
+                            status) from None
+    attempt.progress()
+    return _merge(paths, server, attempt, settings)
+
+
+def _merge(paths: ShardPaths, server: Server, attempt: _Attempt, settings: GenerationSettings) -> dict:
+    """The shard's one completion file and one quarantine file, from every part; the counts for XCom."""
+    completed = merge_parts(paths.parts, paths.output, COMPLETION)
+    quarantined = merge_parts(paths.failures, paths.failures_output, QUARANTINE)
+    if attempt.status:
+        attempt.status.finish("done")
     log.info("shard %d complete on %s: %d completions, %d quarantined, %.1f s", paths.shard, server.name,
-             completed, quarantined, time.monotonic() - started)
+             completed, quarantined, time.monotonic() - attempt.started)
     _check_refused_share(paths, completed + quarantined, quarantined, settings.max_error_share)
     return {"shard": paths.shard, "completed": completed, "quarantined": quarantined,
-            "generated_now": stats["completed"], "output_tokens": stats["output_tokens"],
-            "path": str(paths.output), "server": server.name, "seconds": round(time.monotonic() - started, 2)}
+            "generated_now": attempt.stats["completed"], "output_tokens": attempt.stats["output_tokens"],
+            "path": str(paths.output), "server": server.name,
+            "seconds": round(time.monotonic() - attempt.started, 2)}
+
+
+def run_shard(cfg: RunConfig, shard: dict) -> dict:
+    """The generate task for one shard descriptor (`plan_shards`' dict): lease a server (not one this shard failed
+    on while another is healthy), complete the shard there at the capacity plan's rate and, with Param
+    apply_advised_concurrency, its advised concurrency; returns counts for XCom."""
+    servers = load_servers(cfg.fleet_dir)
+    key = read_api_key(cfg.fleet_dir)
+    paths = ShardPaths.of(cfg.layout, shard["shard"], Path(shard["path"]))
+    settings, expected_rps = cfg.generation, None
+    planned = capacity.read_report(cfg.node_reports_dir)
+    if planned:
+        expected_rps = planned["scenarios"][0]["requests_per_s_per_server"]
+        if cfg.capacity.apply_advised_concurrency:
+            settings = replace(settings, in_flight=planned["advice"]["concurrency_per_server"])
+    with lease(cfg.fleet_dir, servers, shard["shard"], wait_s=cfg.fleet.ready_timeout_s,
+               avoid=servers_failed_on(cfg.fleet_dir, shard["shard"])) as server:
+        healthy = len(healthy_servers(cfg.fleet_dir, servers))
+        return generate_shard(paths, server, key, settings, fleet_dir=cfg.fleet_dir,
+                              run_prompts=shard.get("run_prompts"), servers_sharing=healthy,
+                              expected_rps=expected_rps)

@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from dflash_regen.errors import ConfigError
+from dflash_regen.layout import RunLayout
 
 NODES_ENV = "DFLASH_NODES"
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,49}")
@@ -113,17 +114,17 @@ def assign(shards: list[dict], rates: dict[str, float]) -> dict[str, list[dict]]
     return out
 
 
-def split_report(run_dir: Path) -> dict | None:
+def split_report(layout: RunLayout) -> dict | None:
     """Per node: shards and prompts assigned, predicted and measured generation time, samples completed; None
     for a one-node run."""
-    assignment = _json(run_dir / "reports" / "assignment.json")
+    assignment = _json(layout.report("assignment"))
     if not assignment:
         return None
     out = {"basis": assignment["basis"], "left_out": assignment["left_out"], "nodes": {}}
     for name, node in assignment["nodes"].items():
         starts, ends, busy, done = [], [], 0.0, 0
         for shard in node["shards"]:
-            status = _json(run_dir / "status" / f"shard-{shard:05d}.json") or {}
+            status = _json(layout.status(shard)) or {}
             attempts = status.get("attempts", [])
             starts += [a["started_at"] for a in attempts]
             ends += [a.get("ended_at", a["updated_at"]) for a in attempts]

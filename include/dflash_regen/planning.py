@@ -18,15 +18,13 @@ import pyarrow as pa
 from dflash_regen import atomic
 from dflash_regen.config import PlanSettings
 from dflash_regen.errors import PlanFailed
+from dflash_regen.layout import RunLayout, shard_of
 from dflash_regen.prompt_sources import iter_raw, scan, source_files
 from dflash_regen.prompts import Prompt, Rejection, parse_row
+from dflash_regen.schemas import PROMPT_SHARD, QUARANTINE
 
 log = logging.getLogger(__name__)
 
-SHARD_SCHEMA = pa.schema([("sample_id", pa.string()), ("messages", pa.string()), ("tools", pa.string()),
-                          ("location", pa.string()), ("prompt_tokens", pa.int32())])
-QUARANTINE_SCHEMA = pa.schema([("location", pa.string()), ("stage", pa.string()), ("reason", pa.string()),
-                               ("detail", pa.string()), ("sample_id", pa.string())])
 # ChatML framing per turn (<|im_start|>role\n ... <|im_end|>\n) and the generation header, in tokens.
 TURN_OVERHEAD_TOKENS = 5
 HEADER_TOKENS = 5
@@ -64,9 +62,9 @@ class TokenCounter:
             + (TOOLS_TEMPLATE_TOKENS if prompt.tools else 0)
 
 
-def plan_shards(source: Path, shards_dir: Path, quarantine_path: Path, settings: PlanSettings) -> dict:
+def plan_shards(source: Path, layout: RunLayout, settings: PlanSettings) -> dict:
     """Write shards and the planning quarantine; return the plan (shard descriptors and counts)."""
-    plan_path = shards_dir / "plan.json"
+    plan_path, quarantine_path = layout.plan, layout.planning_quarantine
     print_ = fingerprint(source, settings)
     if plan_path.is_file():
         plan = json.loads(plan_path.read_text())
@@ -92,12 +90,12 @@ def plan_shards(source: Path, shards_dir: Path, quarantine_path: Path, settings:
             too_many = True
             rows.clear()
             return
-        path = shards_dir / f"shard-{index:05d}.parquet"
+        path = layout.shard(index)
         table = pa.table({"sample_id": [p.sample_id for p, _ in rows],
                           "messages": [json.dumps(p.messages, ensure_ascii=False) for p, _ in rows],
                           "tools": [json.dumps(p.tools, ensure_ascii=False) if p.tools else None for p, _ in rows],
                           "location": [p.location for p, _ in rows],
-                          "prompt_tokens": [n for _, n in rows]}, schema=SHARD_SCHEMA)
+                          "prompt_tokens": [n for _, n in rows]}, schema=PROMPT_SHARD)
         atomic.write_table(table, path)
         shards.append({"shard": index, "path": str(path), "prompts": len(rows),
                        "label": shard_label(index, len(rows))})
@@ -144,7 +142,7 @@ def plan_shards(source: Path, shards_dir: Path, quarantine_path: Path, settings:
                                  "stage": ["plan"] * len(rejected),
                                  "reason": [r.reason for r in rejected],
                                  "detail": [r.detail for r in rejected],
-                                 "sample_id": [r.sample_id for r in rejected]}, schema=QUARANTINE_SCHEMA),
+                                 "sample_id": [r.sample_id for r in rejected]}, schema=QUARANTINE),
                        quarantine_path)
     by_reason: dict[str, int] = {}
     for r in rejected:
@@ -181,8 +179,8 @@ def plan_shards(source: Path, shards_dir: Path, quarantine_path: Path, settings:
         raise PlanFailed(f"{len(rejected):,} of {total:,} rows ({share:.1%}) are unusable, above Param "
                          f"max_bad_row_share={settings.max_bad_share:.1%}; by reason {by_reason}; e.g. {examples}. "
                          f"Fix the input or raise the threshold; all bad rows are in {quarantine_path}")
-    for stale in shards_dir.glob("shard-*.parquet"):  # from an earlier plan of a different input
-        if int(stale.stem.split("-")[1]) >= len(shards):
+    for stale in layout.shard_files():  # from an earlier plan of a different input
+        if shard_of(stale) >= len(shards):
             stale.unlink()
     atomic.write_json(plan_path, plan)
     log.info("planned %d shards from %d rows (formats %s): %d accepted, %d quarantined %s; repairs %s",

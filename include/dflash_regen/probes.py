@@ -13,12 +13,13 @@ import logging
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 
+from dflash_regen.capacity import Memory, binding_resource
 from dflash_regen.config import FleetConfig
 from dflash_regen.errors import DflashError, GateFailed
 from dflash_regen.fleet import Server
 from dflash_regen.sglang import Allocation, Api, parse_startup_log
 
-__all__ = ["Allocation", "parse_startup_log", "binding_resource", "health_gate", "probe_server"]
+__all__ = ["Allocation", "parse_startup_log", "binding_advice", "health_gate", "probe_server"]
 
 log = logging.getLogger(__name__)
 
@@ -37,23 +38,26 @@ class ServerHealth:
     problems: list[str] = field(default_factory=list)
 
 
-def binding_resource(alloc: Allocation, request_tokens: int) -> tuple[int, str, str]:
-    """(KV capacity in requests, which resource caps running requests, the flags that would lift it)."""
-    kv_capacity = alloc.kv_tokens // max(request_tokens, 1)
-    if alloc.running_slots >= kv_capacity:
+def binding_advice(alloc: Allocation, request_tokens: int, log_figures: dict | None = None) -> tuple[int, str, str]:
+    """(KV capacity in requests, which resource caps running requests, the flags that would lift it): the
+    planner's verdict (`capacity.binding_resource`), worded for the health table."""
+    mem = Memory.from_health({"allocation": asdict(alloc), "log_figures": log_figures or {}})
+    verdict = binding_resource(mem, request_tokens)
+    kv_capacity = verdict.kv_fit
+    if verdict.resource == "KV tokens":
         return kv_capacity, "KV tokens", (
             f"the KV cache holds only {kv_capacity} requests of ~{request_tokens:,} tokens: raise "
             "--mem-fraction-static, lower max_tokens, or lower --max-mamba-cache-size to give KV more memory")
-    capped_below_arg = alloc.max_running_requests is None or alloc.running_slots < alloc.max_running_requests
-    if alloc.mamba_slots and capped_below_arg:
-        ratio = max(1, alloc.mamba_slots // max(alloc.running_slots, 1))
+    if verdict.resource == "Mamba slots":
+        ratio = mem.mamba_ratio
         target = min(kv_capacity, max(2 * alloc.running_slots, alloc.running_slots + 1))
         return kv_capacity, f"Mamba slots ({alloc.mamba_slots} // {ratio} = {alloc.running_slots})", (
             f"the KV cache could hold {kv_capacity} such requests; for {target} running requests launch with "
             f"--max-mamba-cache-size {target * ratio} --max-running-requests {target} (costs some KV tokens)")
-    return kv_capacity, f"--max-running-requests={alloc.max_running_requests}", (
+    mamba_allows = alloc.mamba_slots // mem.mamba_ratio if alloc.mamba_slots and mem.mamba_ratio else "more"
+    return kv_capacity, f"--max-running-requests={alloc.max_running_requests or alloc.running_slots}", (
         f"the KV cache could hold {kv_capacity} such requests; raise --max-running-requests "
-        f"(Mamba slots allow {alloc.mamba_slots // 3 if alloc.mamba_slots else 'more'})")
+        f"(Mamba slots allow {mamba_allows})")
 
 
 def probe_server(server: Server, api_key: str, cfg: FleetConfig, timeout_s: float = 30.0) -> ServerHealth:
@@ -90,7 +94,8 @@ def probe_server(server: Server, api_key: str, cfg: FleetConfig, timeout_s: floa
         result.problems.append(f"startup log says {logged_kv:,} KV tokens but /server_info says "
                                f"{alloc.kv_tokens:,}; check {server.log_path}")
     request_tokens = cfg.expected_prompt_tokens + cfg.expected_output_tokens
-    result.kv_request_capacity, result.binding, result.advice = binding_resource(alloc, request_tokens)
+    result.kv_request_capacity, result.binding, result.advice = binding_advice(alloc, request_tokens,
+                                                                               result.log_figures)
     if alloc.kv_tokens < cfg.min_kv_tokens:
         result.problems.append(f"only {alloc.kv_tokens:,} KV tokens allocated (minimum {cfg.min_kv_tokens:,}): "
                                "another process may hold GPU memory, or --mem-fraction-static / "

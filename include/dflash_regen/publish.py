@@ -24,6 +24,7 @@ import pyarrow.parquet as pq
 
 from dflash_regen import atomic
 from dflash_regen.errors import PublishRefused
+from dflash_regen.layout import COMPLETIONS, FAILURES, RunLayout, shard_of
 
 log = logging.getLogger(__name__)
 
@@ -152,41 +153,41 @@ def _reasons(paths: list[Path]) -> dict[str, int]:
     return counts
 
 
-def publish_run(run_dir: Path, dest: Path, plan: dict, quality: dict, config: dict, model_dir: Path,
+def publish_run(layout: RunLayout, dest: Path, plan: dict, quality: dict, config: dict, model_dir: Path,
                 nodes: dict | None = None) -> dict:
     """Filter the run's tokenized shards and conversations to the kept samples, then publish atomically."""
     import pyarrow.compute as pc
 
-    dropped = _ids(run_dir / "quality" / "quarantine.parquet")
-    final = run_dir / "final"
-    final.mkdir(parents=True, exist_ok=True)
+    dropped = _ids(layout.gate_quarantine)
+    layout.final_dir.mkdir(parents=True, exist_ok=True)
     tokenized, conversations = [], []
     published = 0
-    for path in sorted((run_dir / "tokenized").glob("shard-*.parquet")):
+    for path in layout.tokenized_files():
+        shard = shard_of(path)
         table = pq.read_table(path)
         table = table.filter(pc.invert(pc.is_in(table.column("sample_id"), pa.array(sorted(dropped), pa.string()))))
-        out = final / path.name
+        out = layout.final_tokenized(shard)
         atomic.write_table(table, out)
         tokenized.append(out)
         published += table.num_rows
-        lines = (run_dir / "tokenized" / path.name.replace("shard-", "conversations-").replace(".parquet", ".jsonl")
-                 ).read_text().splitlines()
+        lines = layout.conversations(shard).read_text().splitlines()
         kept = [line for line in lines if json.loads(line)["id"] not in dropped]
-        conv = final / f"conversations-{path.stem.split('-')[1]}.jsonl"
+        conv = layout.final_conversations(shard)
         atomic.write_lines(conv, kept)
         conversations.append(conv)
 
-    failure_files = sorted((run_dir / "failures").glob("*.parquet"))
+    failure_files = layout.failure_files()
     by_reason = _reasons(failure_files)
     for reason, n in quality.get("quarantined_by_reason", {}).items():
         by_reason[reason] = by_reason.get(reason, 0) + n
     quarantined = sum(by_reason.values())
     if plan["rows"] != published + quarantined:
         raise PublishRefused(f"counts do not reconcile: {plan['rows']:,} prompts but {published:,} published + "
-                         f"{quarantined:,} quarantined; nothing published. Inspect {run_dir}/failures and quality/")
+                         f"{quarantined:,} quarantined; nothing published. Inspect {layout.results_dir(FAILURES)} and "
+                             f"{layout.gate_quarantine.parent}")
     completions = pa.concat_tables([pq.read_table(p, columns=["sample_id", "server", "completion_tokens",
                                                                "latency_s"])
-                                    for p in sorted((run_dir / "completions").glob("shard-*.parquet"))])
+                                    for p in layout.merged_files(COMPLETIONS)])
     rows = completions.to_pylist()
     servers: dict[str, dict] = {}
     for r in rows:
@@ -196,7 +197,7 @@ def publish_run(run_dir: Path, dest: Path, plan: dict, quality: dict, config: di
         s["request_seconds"] += r["latency_s"] or 0.0
     for s in servers.values():
         s["tok_per_s_per_request"] = round(s["output_tokens"] / s["request_seconds"], 1) if s["request_seconds"] else 0
-    summary = [r for p in sorted((run_dir / "tokenized").glob("summary-*.parquet")) for r in pq.read_table(
+    summary = [r for p in layout.summary_files() for r in pq.read_table(
         p, columns=["sample_id", "n_tokens", "loss_mask_sum", "reasoning_tokens", "content_tokens"]).to_pylist()
         if r["sample_id"] not in dropped]
     total_tokens = sum(r["n_tokens"] for r in summary)

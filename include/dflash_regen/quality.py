@@ -15,14 +15,11 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-from dflash_regen import atomic
+from dflash_regen import atomic, schemas
 from dflash_regen.errors import GateFailed
+from dflash_regen.layout import FAILURES, RunLayout
 
 log = logging.getLogger(__name__)
-
-SUMMARY_COLUMNS = ("sample_id", "n_tokens", "mask_len", "loss_mask_sum", "finish_reason", "content_chars",
-                   "reasoning_tokens", "think_marker_leak", "tool_call_expected", "tool_call_present",
-                   "repetition_score", "enable_thinking", "truncated_at_train_length")
 
 
 @dataclass(frozen=True)
@@ -128,7 +125,7 @@ def run_suite(rows: list[dict], expected_rows: int, s: QualitySettings, docs_dir
     import pandas as pd
     from great_expectations.data_context.types.base import ProgressBarsConfig
 
-    frame = pd.DataFrame(rows, columns=list(SUMMARY_COLUMNS))
+    frame = pd.DataFrame(rows, columns=schemas.SUMMARY.names)
     frame["truncated_at_train_length"] = frame["truncated_at_train_length"].fillna(False).astype(bool)
     # A tool call answers; so does text cut at the training length (the trainer reads no further).
     frame["has_answer"] = (frame["content_chars"] > 0) | frame["tool_call_present"].astype(bool) \
@@ -178,24 +175,21 @@ def quarantine_counts(quarantined: list[dict]) -> dict[str, int]:
     return dict(Counter(q["reason"] for q in quarantined))
 
 
-def validate_run(run_dir: Path, expected_rows: int, s: QualitySettings, docs_dir: Path) -> dict:
+def validate_run(layout: RunLayout, expected_rows: int, s: QualitySettings, docs_dir: Path) -> dict:
     """Row rules + suite over every shard's summary; writes `quality/quarantine.parquet`; returns the report."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    rows = [r for p in sorted((run_dir / "tokenized").glob("summary-*.parquet")) for r in pq.read_table(p).to_pylist()]
+    rows = [r for p in layout.summary_files() for r in pq.read_table(p).to_pylist()]
     if not rows:
-        reasons = Counter(r for p in sorted((run_dir / "failures").glob("*.parquet"))
+        reasons = Counter(r for p in layout.failure_files()
                           for r in pq.read_table(p, columns=["reason"]).column("reason").to_pylist())
         raise GateFailed(f"no samples to validate: every prompt of the run was quarantined before the quality gate "
                          f"(by reason: {dict(reasons.most_common(5)) or 'none recorded'}; rows with the servers' "
-                         f"messages in {run_dir / 'failures'}); nothing will be published. Fix the cause (e.g. "
+                         f"messages in {layout.results_dir(FAILURES)}); nothing will be published. Fix the cause (e.g. "
                          "prompts longer than the servers' context length) and trigger a new run")
     kept, quarantined = apply_row_rules(rows, s)
-    atomic.write_table(pa.Table.from_pylist(quarantined, schema=pa.schema([("sample_id", pa.string()),
-                                                                            ("reason", pa.string()),
-                                                                            ("detail", pa.string())])),
-                       run_dir / "quality" / "quarantine.parquet")
+    atomic.write_table(pa.Table.from_pylist(quarantined, schema=schemas.GATE_QUARANTINE), layout.gate_quarantine)
     report = run_suite(rows, expected_rows, s, docs_dir)
     report.update({"samples": len(rows), "kept": len(kept), "quarantined": len(quarantined),
                    # SpecForge trains these too; they come from the input, not from the model.

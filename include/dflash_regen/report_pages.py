@@ -30,6 +30,7 @@ from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, Redirect
 from markupsafe import Markup
 
 from dflash_regen import charts, run_report
+from dflash_regen.layout import RunLayout
 
 TEMPLATES = jinja2.Environment(loader=jinja2.FileSystemLoader(Path(__file__).parent / "templates"),
                                autoescape=True, undefined=jinja2.StrictUndefined)
@@ -193,7 +194,7 @@ def build_app(output_root: Path, auth: Callable, airflow: AirflowView | None = N
     @app.get("/runs/{run_id}/data-docs/{path:path}")
     def data_docs(run_id: str, path: str):
         run = run_dir(run_id)
-        docs = (run / "reports" / "data_docs").resolve()
+        docs = RunLayout(run).data_docs.resolve()
         target = (docs / (path or "index.html")).resolve()
         if target.is_dir():
             target = (target / "index.html").resolve()

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from dflash_regen import atomic, fleet
 from dflash_regen.errors import RunLocked
+from dflash_regen.layout import RunLayout, runs_dir
 
 log = logging.getLogger(__name__)
 
@@ -78,10 +79,10 @@ def reap_orphans(output_root: Path, run_dir: str) -> list[str]:
     if not holder or holder["run_dir"] != run_dir:
         return []
     stopped = []
-    runs = output_root / "runs"
+    runs = runs_dir(output_root)
     # runs/<run>/fleet, and runs/<run>/fleet/<node> for a run on several nodes (this node's servers are found
     # alive; another node's pids are not this host's processes and are left alone by their start time)
-    fleet_dirs = [*runs.glob("*/fleet"), *(p for p in runs.glob("*/fleet/*") if p.is_dir())]
+    fleet_dirs = [d for r in runs.glob("*") if r.is_dir() for d in RunLayout(r).fleet_dirs() if d.is_dir()]
     for fleet_dir in sorted(fleet_dirs):
         run = fleet_dir.relative_to(runs).parts[0]
         if run != run_dir:

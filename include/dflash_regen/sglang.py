@@ -25,7 +25,7 @@ import logging
 import re
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -304,11 +304,59 @@ def _merge_tool_call(calls: list[dict], delta: dict) -> None:
         call["function"]["arguments"] += fn["arguments"]
 
 
+def sse_data(chunks: Iterable[bytes]) -> Iterator[bytes]:
+    """The `data:` payloads of a server-sent-event byte stream, one per line, whatever the read boundaries.
+
+    Comments (`:` keep-alives), blank lines and other fields are skipped. A last line the stream ends without a
+    newline is still yielded, so a body cut inside an event shows up as unparsable JSON, not as silence.
+    SGLang writes each event as one `data:` line, so a multi-line event (allowed by SSE) is not joined.
+    """
+    rest = b""
+    for chunk in chunks:
+        lines = (rest + chunk).split(b"\n") if rest else chunk.split(b"\n")
+        rest = lines.pop()
+        for line in lines:
+            if line.startswith(b"data:"):
+                yield line[5:].strip()
+    if rest.startswith(b"data:"):
+        yield rest[5:].strip()
+
+
+class _Assembly:
+    """A streamed answer put together from its deltas (lists joined once: `+=` on an attribute copies each time)."""
+
+    def __init__(self, started: float):
+        self.started, self.reasoning, self.content = started, [], []
+        self.result = ChatResult()
+
+    def add(self, chunk: dict) -> None:
+        if chunk.get("usage"):
+            self.result.usage = chunk["usage"]
+        for choice in chunk.get("choices") or ():
+            delta = choice.get("delta") or {}
+            piece = delta.get("reasoning_content") or delta.get("reasoning")
+            if piece:
+                self.reasoning.append(piece)
+            if content := delta.get("content"):
+                self.content.append(content)
+            for call in delta.get("tool_calls") or ():
+                _merge_tool_call(self.result.tool_calls, call)
+            if (piece or content) and self.result.first_token_s is None:
+                self.result.first_token_s = time.monotonic() - self.started
+            if choice.get("finish_reason"):
+                self.result.finish_reason = choice["finish_reason"]
+
+    def finish(self) -> ChatResult:
+        self.result.reasoning, self.result.content = "".join(self.reasoning), "".join(self.content)
+        self.result.latency_s = time.monotonic() - self.started
+        return self.result
+
+
 def stream_chat(session: requests.Session, base_url: str, api_key: str, payload: dict, *, stall_s: float,
                 cap_s: float, stop: threading.Event | None = None) -> ChatResult:
     body = {**payload, "stream": True, "stream_options": {"include_usage": True}}
     started = time.monotonic()
-    result = ChatResult()
+    answer = _Assembly(started)
     try:
         resp = session.post(f"{base_url}/v1/chat/completions", json=body, stream=True, timeout=(10, stall_s),
                             headers=auth_headers(api_key))
@@ -323,45 +371,37 @@ def stream_chat(session: requests.Session, base_url: str, api_key: str, payload:
             raise _auth_error(base_url, resp)
         if resp.status_code >= 400:
             raise PromptError(resp.status_code, _error_message(resp))
+        done = False
         try:
-            for line in resp.iter_lines(chunk_size=None):
-                if time.monotonic() - started > cap_s:
-                    raise TransientError(f"request exceeded the overall cap of {cap_s:.0f} s")
-                if stop is not None and stop.is_set():
-                    raise Cancelled(f"stopped by the caller after {time.monotonic() - started:.1f} s")
-                if not line or not line.startswith(b"data:"):
+            for data in sse_data(_checked(resp.iter_content(chunk_size=None), started, cap_s, stop)):
+                # Read on past `[DONE]` to the body's end: only a fully read response goes back to the pool.
+                if done or data == b"[DONE]":
+                    done = True
                     continue
-                data = line[5:].strip()
-                if data == b"[DONE]":
-                    break
                 chunk = json.loads(data)
                 if "error" in chunk:
                     raise TransientError(f"server aborted the stream: {_error_text(chunk)}")
-                if chunk.get("usage"):
-                    result.usage = chunk["usage"]
-                for choice in chunk.get("choices") or []:
-                    delta = choice.get("delta") or {}
-                    piece = delta.get("reasoning_content") or delta.get("reasoning")
-                    if piece:
-                        result.reasoning += piece
-                    if delta.get("content"):
-                        result.content += delta["content"]
-                    for call in delta.get("tool_calls") or []:
-                        _merge_tool_call(result.tool_calls, call)
-                    if (piece or delta.get("content")) and result.first_token_s is None:
-                        result.first_token_s = time.monotonic() - started
-                    if choice.get("finish_reason"):
-                        result.finish_reason = choice["finish_reason"]
+                answer.add(chunk)
         except requests.exceptions.ConnectionError as exc:  # includes read timeouts while streaming
             kind = "stalled" if "timed out" in str(exc).lower() else "connection lost"
             raise TransientError(f"stream {kind} after {time.monotonic() - started:.0f} s "
                                  f"(no data for {stall_s:.0f} s?): {exc}") from exc
         except (requests.RequestException, json.JSONDecodeError) as exc:
             raise TransientError(f"broken stream from {base_url}: {type(exc).__name__}: {exc}") from exc
-    if result.finish_reason is None:
+    if answer.result.finish_reason is None:
         raise TransientError("stream ended without a finish_reason")
-    result.latency_s = time.monotonic() - started
-    return result
+    return answer.finish()
+
+
+def _checked(chunks: Iterable[bytes], started: float, cap_s: float, stop: threading.Event | None
+             ) -> Iterator[bytes]:
+    """`chunks`, with the overall cap and the caller's stop event checked before each one is used."""
+    for chunk in chunks:
+        if time.monotonic() - started > cap_s:
+            raise TransientError(f"request exceeded the overall cap of {cap_s:.0f} s")
+        if stop is not None and stop.is_set():
+            raise Cancelled(f"stopped by the caller after {time.monotonic() - started:.1f} s")
+        yield chunk
 
 
 def reasoning_tokens(usage: dict) -> int:

@@ -17,10 +17,6 @@ from pathlib import Path
 from dflash_regen import atomic
 
 
-def status_path(run_dir: Path, shard: int) -> Path:
-    return run_dir / "status" / f"shard-{shard:05d}.json"
-
-
 def read(path: Path) -> dict | None:
     try:
         return json.loads(path.read_text())

@@ -7,10 +7,11 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 from conftest import FAST_PROFILE
-from dag_helpers import assert_ran_in_versions_mode, check_invariants, logs, run_dir_of, states
+from dag_helpers import assert_ran_in_versions_mode, check_invariants, layout_of, logs, states
 from trainer_loaders import load_first_record_decides
 
 from dflash_regen import sglang
+from dflash_regen.layout import COMPLETIONS, FAILURES
 
 
 def test_demo_dag_runs_green_on_seven_emulated_servers(dag, run_params, no_leftover_servers):
@@ -27,30 +28,30 @@ def test_demo_dag_runs_green_on_seven_emulated_servers(dag, run_params, no_lefto
     assert dag_run.state == "success"
     labels = sorted(ti.rendered_map_index for ti in dag_run.get_task_instances() if ti.task_id == "generate")
     assert labels[0] == "shard 0000 (40 prompts)" and len(labels) == 3
-    run_dir = run_dir_of(conf, dag_run)
-    plan = json.loads((run_dir / "reports" / "plan.json").read_text())
-    completions = [sid for p in (run_dir / "completions").glob("shard-*.parquet")
+    run = layout_of(conf, dag_run)
+    plan = json.loads(run.report("plan").read_text())
+    completions = [sid for p in run.merged_files(COMPLETIONS)
                    for sid in pq.read_table(p, columns=["sample_id"]).column("sample_id").to_pylist()]
-    failed = sum(pq.read_metadata(p).num_rows for p in (run_dir / "failures").glob("shard-*.parquet"))
+    failed = sum(pq.read_metadata(p).num_rows for p in run.merged_files(FAILURES))
     assert plan["rows"] == plan["accepted"] + plan["quarantined"] == 122
     assert plan["quarantined_by_reason"] == {"duplicate_id": 1, "bad_role": 1}
-    tuned = json.loads((run_dir / "reports" / "autotune.json").read_text())
+    tuned = json.loads(run.report("autotune").read_text())
     assert tuned["mode"] == "advise" and tuned["candidates"][0]["candidate"] == "current"
     assert "wall_s" in tuned["candidates"][0] and tuned["relaunch_s"] > 0  # measured, then the fleet came back
     assert any("over the total budget" in r.get("skipped", "") for r in tuned["candidates"])
     assert plan["formats"] == {"openai": 120} and plan["repairs"]["type_name"] == 72  # Python-style tool schemas
     assert len(completions) == len(set(completions)) and len(completions) + failed == plan["accepted"]
-    health = json.loads((run_dir / "reports" / "health.json").read_text())
-    smoke = json.loads((run_dir / "reports" / "smoke.json").read_text())
+    health = json.loads(run.report("health").read_text())
+    smoke = json.loads(run.report("smoke").read_text())
     assert health["passed"] and len(health["servers"]) == 7
-    assert_ran_in_versions_mode(run_dir, sglang.NEWEST_CHECKED)
-    capacity = json.loads((run_dir / "reports" / "capacity.json").read_text())
+    assert_ran_in_versions_mode(run, sglang.NEWEST_CHECKED)
+    capacity = json.loads(run.report("capacity").read_text())
     assert capacity["run"]["prompts"] == plan["accepted"] and capacity["run"]["servers"] == 7
     # At the test profile's 20K tok/s per request the 2-core box itself can saturate first ("compute");
     # tests/integration/test_capacity_on_fleet.py checks the Mamba-bound advice on a known curve.
     assert capacity["binding"]["resource"] in ("Mamba slots", "compute") and capacity["scenarios"][0]["wall_s"] > 0
     assert smoke["passed"] and all(s["ok"] for s in smoke["servers"])
-    assert sorted(p.name for p in (run_dir / "fleet").glob("server-*.log")) == [f"server-{i}.log" for i in range(7)]
+    assert sorted(run.fleet_dir.glob("*.log")) == [run.fleet.server_log(i) for i in range(7)]
     assert (Path(conf["staging_dir"]) / "config.json").is_file()
     # Published: complete, reconciled, and loadable as parquet.
     from dflash_regen.config import safe_run_id
@@ -82,7 +83,7 @@ def test_demo_dag_runs_green_on_seven_emulated_servers(dag, run_params, no_lefto
     trainer_rows = load_first_record_decides(version / "conversations.jsonl")
     assert sum(json.loads(r["tools"]) != [] for r in trainer_rows) == sum(bool(t) for t in conversations["tools"]) > 0
     assert manifest["input"]["repairs"] == plan["repairs"] and "type_name 72" in (version / "README.md").read_text()
-    assert (run_dir / "reports" / "data_docs" / "index.html").is_file()
+    assert run.data_docs_index.is_file()
     assert manifest["quality"]["success"] and manifest["storage"]["offline_hidden_states_tb"] > 0
 
 
@@ -92,14 +93,14 @@ def test_whole_dag_is_green_in_the_oldest_supported_sglangs_mode_on_loopback_and
                       emulator_profile={**FAST_PROFILE, "sglang_version": sglang.OLDEST})
     dag_run = dag.test(run_conf=conf)
     assert dag_run.state == "success", states(dag_run)
-    run_dir = run_dir_of(conf, dag_run)
-    assert_ran_in_versions_mode(run_dir, sglang.OLDEST)
+    assert_ran_in_versions_mode(layout_of(conf, dag_run), sglang.OLDEST)
     # Security: servers listen on loopback only, and the API key is in no log, spec or server log.
-    key = (run_dir / "fleet" / "api_key").read_text().strip()
+    fleet = layout_of(conf, dag_run).fleet
+    key = fleet.api_key.read_text().strip()
     assert key not in logs(caplog, capfd)
-    for spec in (run_dir / "fleet").glob("server-*.json"):
+    for spec in fleet.server_specs():
         record = json.loads(spec.read_text())
         assert record["host"] == "127.0.0.1" and key not in spec.read_text()
-    for log in (run_dir / "fleet").glob("server-*.log"):
+    for log in (fleet.server_log(i) for i in range(len(fleet.server_specs()))):
         assert key not in log.read_text()
     check_invariants(conf, dag_run, published=True)

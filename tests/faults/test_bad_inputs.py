@@ -4,7 +4,7 @@ the fix, before any GPU work where the input is knowable then, and leaves no pro
 import re
 
 import pytest
-from dag_helpers import check_invariants, logs, run_dir_of, states
+from dag_helpers import check_invariants, layout_of, logs, states
 
 pytestmark = pytest.mark.usefixtures("no_leftover_servers")
 
@@ -22,7 +22,7 @@ def test_a_missing_prompt_source_fails_the_first_task_before_staging_or_launch(d
     assert got["launch_fleet"] == "upstream_failed"
     assert f"prompt source {tmp_path / 'no-such-prompts.jsonl'} does not exist; set Param prompt_source" in \
         logs(caplog, capfd)
-    assert not (tmp_path / "shm" / "model").exists() and not (run_dir_of(conf, dag_run) / "fleet").exists()
+    assert not (tmp_path / "shm" / "model").exists() and not layout_of(conf, dag_run).fleet_dir.exists()
     check_invariants(conf, dag_run, published=False)
 
 

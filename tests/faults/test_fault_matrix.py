@@ -16,9 +16,10 @@ from pathlib import Path
 
 import pytest
 from conftest import tmpfs
-from dag_helpers import check_invariants, logs, run_dir_of, states
+from dag_helpers import check_invariants, layout_of, logs, states
 
 from dflash_regen.demo_prompts import demo_rows
+from dflash_regen.layout import COMPLETIONS
 
 pytestmark = pytest.mark.usefixtures("no_leftover_servers")
 # Calibration is covered by tests/integration/test_capacity_on_fleet.py and e2e; no case here needs it.
@@ -61,7 +62,7 @@ def test_4_empty_content_server_fails_smoke_and_nothing_is_generated(dag, run_pa
     assert got["smoke_test"] == "failed" and got["generate"] == "upstream_failed"
     check_invariants(conf, dag_run, published=False)
     assert "smoke test failed on 1 of 2 servers" in logs(caplog, capfd) and "server 1 (GPU 1" in logs(caplog, capfd)
-    assert not (run_dir_of(conf, dag_run) / "completions").exists()
+    assert not layout_of(conf, dag_run).results_dir(COMPLETIONS).exists()
 
 
 def test_5_low_allocation_fails_health_naming_the_server_and_still_stops_the_fleet(dag, run_params, caplog, capfd):
@@ -76,7 +77,7 @@ def test_5_low_allocation_fails_health_naming_the_server_and_still_stops_the_fle
     check_invariants(conf, dag_run, published=False)
     assert not (Path(conf["output_root"]) / "published").exists()
     assert "health check failed on 1 of 2 servers" in logs(caplog, capfd) and "server 1 (GPU 1" in logs(caplog, capfd)
-    report = json.loads((run_dir_of(conf, dag_run) / "reports" / "health.json").read_text())
+    report = json.loads(layout_of(conf, dag_run).report("health").read_text())
     assert not report["passed"] and "server 1 (GPU 1" in report["error"]
 
 

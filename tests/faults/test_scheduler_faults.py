@@ -16,6 +16,7 @@ from conftest import processes_mentioning
 from live_airflow import completion_ids, published_manifest, run_dir
 
 from dflash_regen.config import safe_run_id
+from dflash_regen.layout import COMPLETIONS, FAILURES, RunLayout
 
 SHARD_LINE = re.compile(r"shard (\d+) on .*?: (\d+) prompts, (\d+) done before, (\d+) quarantined before, "
                         r"(\d+) to send")
@@ -23,14 +24,8 @@ SHARD_LINE = re.compile(r"shard (\d+) on .*?: (\d+) prompts, (\d+) done before, 
 
 def results_on_disk(folder) -> int:
     """Samples with a result (completion or a server's refusal), merged shard files or checkpoint parts."""
-    total = 0
-    for kind in ("completions", "failures"):
-        files = list((folder / kind).glob("shard-*.parquet"))
-        merged = {p.stem for p in files}
-        files += [p for d in (folder / kind).glob("shard-*") if d.is_dir() and d.name not in merged
-                  for p in d.glob("*.parquet")]
-        total += sum(pq.read_metadata(p).num_rows for p in files)
-    return total
+    run = RunLayout(folder)
+    return sum(pq.read_metadata(p).num_rows for kind in (COMPLETIONS, FAILURES) for p in run.result_files(kind))
 
 
 def step_until(pid: int, done, slice_s: float = 0.002, timeout_s: float = 120) -> bool:
@@ -83,7 +78,7 @@ def test_9_and_10_node_dies_mid_run_the_same_run_id_resumes_and_publish_killed_m
 
     # Case 9. The node dies: the scheduler with its executor and every task process, and every SGLang server.
     af.kill_component("scheduler")
-    for spec in (folder / "fleet").glob("server-*.json"):
+    for spec in RunLayout(folder).fleet.server_specs():
         pid = int(re.search(r'"pid": (\d+)', spec.read_text()).group(1))
         try:
             os.kill(pid, signal.SIGKILL)
@@ -120,7 +115,7 @@ def test_9_and_10_node_dies_mid_run_the_same_run_id_resumes_and_publish_killed_m
             # finished before the crash logs "already complete" instead and sends nothing.
             lines = SHARD_LINE.findall(log.split("already complete")[-1])
             sent += int(lines[-1][4]) if lines else 0
-    accepted = json.loads((folder / "reports" / "plan.json").read_text())["accepted"]
+    accepted = json.loads(RunLayout(folder).report("plan").read_text())["accepted"]
     assert 0 < kept < accepted
     assert sent == accepted - kept, "the rerun redid finished samples or skipped missing ones"
     ids = completion_ids(folder)

@@ -3,12 +3,12 @@
 import json
 import re
 import time
-from pathlib import Path
 
 from dflash_regen import autotune, dag_tasks, probes
 from dflash_regen.config import RunConfig
 from dflash_regen.demo_prompts import write_demo_prompts
 from dflash_regen.emulator.faults import PRESETS, Profile
+from dflash_regen.layout import FleetFiles
 from dflash_regen.planning import plan_shards
 
 # The synthetic preset: MTP pays alone and loses at 16 running, so "MTP off at 16" is the known optimum.
@@ -29,7 +29,7 @@ def prepared(launch, tmp_path, prompts: int, shard_size: int, **params):
     source = write_demo_prompts(tmp_path / "prompts.jsonl", prompts)
     settings = type(cfg.plan)(shard_size=shard_size, max_tokens=cfg.plan.max_tokens,
                               context_length=cfg.plan.context_length, max_bad_share=1.0)
-    plan = plan_shards(source, cfg.run_dir / "shards", cfg.run_dir / "failures" / "plan.parquet", settings)
+    plan = plan_shards(source, cfg.layout, settings)
     dag_tasks.write_report(cfg, "health", probes.health_gate(servers, key, cfg.fleet))
     return cfg, plan
 
@@ -64,10 +64,10 @@ def test_apply_picks_the_known_optimum_relaunches_the_fleet_with_it_and_the_run_
     assert "MTP off at 16" in (cfg.reports_dir / "autotune.md").read_text()
 
     # apply: the whole fleet runs the winner, gated again (health.json and smoke.json rewritten).
-    health = json.loads((cfg.reports_dir / "health.json").read_text())
+    health = json.loads(cfg.layout.node_report("health").read_text())
     assert health["servers"][0]["allocation"]["running_slots"] == 16
-    assert json.loads((cfg.reports_dir / "smoke.json").read_text())["passed"]
-    argv = json.loads((cfg.fleet_dir / "server-0.json").read_text())["argv"]
+    assert json.loads(cfg.layout.node_report("smoke").read_text())["passed"]
+    argv = json.loads(cfg.layout.fleet.server_spec(0).read_text())["argv"]
     assert "--speculative-algorithm" not in argv and argv[argv.index("--max-running-requests") + 1] == "16"
 
     started = time.monotonic()
@@ -104,5 +104,5 @@ def test_candidates_that_crash_at_start_fail_smoke_or_run_out_of_kv_are_skipped_
                         r"running slots", rows[2]["skipped"]), rows[2]["skipped"]
     assert all("wall_s" not in r for r in rows)
     assert autotune.choose([current, *rows]) is current
-    assert not list(Path(cfg.run_dir / "autotune").glob("*/unhealthy-*"))
+    assert not [m for d in cfg.layout.autotune_dir.glob("*") for m in FleetFiles(d).unhealthy_markers()]
     assert RunConfig.from_params(cfg.params, "test_run").autotune.mode == "advise"

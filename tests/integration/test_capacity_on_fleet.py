@@ -7,9 +7,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 
-from dflash_regen import capacity, generation, probes
+from dflash_regen import capacity, fleet, generation, probes
 from dflash_regen.demo_prompts import demo_rows, write_demo_prompts
 from dflash_regen.fleet import load_servers
+from dflash_regen.layout import RunLayout
 from dflash_regen.planning import plan_shards
 
 # Per-request decode 400 tok/s alone, 3,000 tok/s aggregate ceiling: 16 running requests make ~2,100 tok/s
@@ -30,7 +31,7 @@ def planned(cfg, tmp_path, n, shard_size):
     src = write_demo_prompts(tmp_path / "prompts.jsonl", n)
     settings = type(cfg.plan)(shard_size=shard_size, max_tokens=cfg.plan.max_tokens,
                               context_length=cfg.plan.context_length, max_bad_share=1.0)
-    return plan_shards(src, cfg.run_dir / "shards", cfg.run_dir / "failures" / "plan.parquet", settings)
+    return plan_shards(src, cfg.layout, settings)
 
 
 def test_calibration_finds_the_emulators_known_curve_and_predicts_a_run_it_never_saw(launch, tmp_path):
@@ -46,7 +47,7 @@ def test_calibration_finds_the_emulators_known_curve_and_predicts_a_run_it_never
     source.write_text("".join(json.dumps({**r, "id": f"cal-{r['id']}"}) + "\n" for r in demo_rows(96, seed=1)))
     settings = type(cfg.plan)(shard_size=96, max_tokens=cfg.plan.max_tokens, context_length=cfg.plan.context_length,
                               max_bad_share=1.0)
-    calibration_shards = plan_shards(source, other / "shards", other / "failures.parquet", settings)["shards"]
+    calibration_shards = plan_shards(source, RunLayout(other), settings)["shards"]
     assert not set(ids(calibration_shards)) & set(ids(plan["shards"]))
     report = capacity.calibrate(servers[0], key, health, calibration_shards, replace(cfg.generation, seed=1), shape,
                                 prompts=96)
@@ -67,12 +68,9 @@ def test_calibration_finds_the_emulators_known_curve_and_predicts_a_run_it_never
 
     # The run, as Airflow runs it: two shard tasks at a time, each leasing a free server.
     def run(shard):
-        lease = generation.lease_server(cfg.fleet_dir, load_servers(cfg.fleet_dir), shard["shard"], wait_s=30)
-        try:
-            paths = generation.ShardPaths.of(cfg.run_dir, shard["shard"], Path(shard["path"]))
-            return generation.generate_shard(paths, lease, key, cfg.generation, fleet_dir=cfg.fleet_dir)
-        finally:
-            lease.release()
+        with fleet.lease(cfg.fleet_dir, load_servers(cfg.fleet_dir), shard["shard"], wait_s=30) as server:
+            paths = generation.ShardPaths.of(cfg.layout, shard["shard"], Path(shard["path"]))
+            return generation.generate_shard(paths, server, key, cfg.generation, fleet_dir=cfg.fleet_dir)
 
     started = time.monotonic()
     with ThreadPoolExecutor(max_workers=2) as pool:

@@ -112,10 +112,10 @@ def test_api_key_is_required_and_never_written_to_specs_or_log_tails(launch):
     url = servers[0].url
     assert requests.get(f"{url}/v1/models", timeout=5).status_code == 401
     assert requests.get(f"{url}/v1/models", timeout=5, headers={"Authorization": f"Bearer {key}"}).ok
-    spec = (cfg.fleet_dir / "server-0.json").read_text()
+    spec = cfg.layout.fleet.server_spec(0).read_text()
     assert key not in spec and f"--api-key={fleet.REDACTED}" in json.loads(spec)["argv"]
     assert key not in fleet.log_tail(servers[0].log_path, key, lines=1000)
-    assert (cfg.fleet_dir / "api_key").stat().st_mode & 0o077 == 0
+    assert cfg.layout.fleet.api_key.stat().st_mode & 0o077 == 0
 
 
 def test_relaunch_of_the_same_run_stops_leftovers_first(launch, tmp_path):

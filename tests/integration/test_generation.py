@@ -7,14 +7,17 @@ import subprocess
 import sys
 import threading
 import time
+from contextlib import ExitStack
 from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
 
-from dflash_regen import fleet, generation
+from dflash_regen import fleet, generation, schemas
 from dflash_regen.demo_prompts import write_demo_prompts
+from dflash_regen.errors import NoServerFree
 from dflash_regen.fleet import is_alive, load_servers
+from dflash_regen.layout import COMPLETIONS, FAILURES, shard_sources
 from dflash_regen.planning import plan_shards
 
 
@@ -26,18 +29,15 @@ def plan(cfg, tmp_path, n=40, shard_size=40, rows=None):
         src.write_text("".join(json.dumps(r) + "\n" for r in rows))
     settings = type(cfg.plan)(shard_size=shard_size, max_tokens=cfg.plan.max_tokens,
                               context_length=cfg.plan.context_length, max_bad_share=1.0)
-    return plan_shards(src, cfg.run_dir / "shards", cfg.run_dir / "failures" / "plan.parquet", settings)
+    return plan_shards(src, cfg.layout, settings)
 
 
 def run_shard(cfg, key, descriptor, **settings):
     servers = load_servers(cfg.fleet_dir)
-    paths = generation.ShardPaths.of(cfg.run_dir, descriptor["shard"], Path(descriptor["path"]))
-    lease = generation.lease_server(cfg.fleet_dir, servers, descriptor["shard"], wait_s=5)
+    paths = generation.ShardPaths.of(cfg.layout, descriptor["shard"], Path(descriptor["path"]))
     gen_settings = cfg.generation.__class__(**{**cfg.generation.__dict__, **settings})
-    try:
-        return generation.generate_shard(paths, lease, key, gen_settings, fleet_dir=cfg.fleet_dir), lease.server
-    finally:
-        lease.release()
+    with fleet.lease(cfg.fleet_dir, servers, descriptor["shard"], wait_s=5) as server:
+        return generation.generate_shard(paths, server, key, gen_settings, fleet_dir=cfg.fleet_dir), server
 
 
 def ids_of(path):
@@ -51,6 +51,8 @@ def test_a_shard_completes_once_with_the_generation_mode_recorded(launch, tmp_pa
     rows = pq.read_table(result["path"]).to_pylist()
     assert sorted(r["sample_id"] for r in rows) == sorted(ids_of(shard["path"]))
     assert result["completed"] == 40 and result["quarantined"] == 0
+    assert pq.read_schema(result["path"]) == schemas.COMPLETION
+    assert pq.read_schema(cfg.layout.merged(FAILURES, 0)) == schemas.QUARANTINE  # empty, with its schema
     row = rows[0]
     assert row["enable_thinking"] and row["reasoning_parser"] == "qwen3" and row["served_model"] == "qwen3.6-27b"
     assert row["temperature"] == pytest.approx(0.6) and row["seed"] == generation.sample_seed(row["sample_id"], 0)
@@ -62,18 +64,28 @@ def test_a_shard_completes_once_with_the_generation_mode_recorded(launch, tmp_pa
 
 def test_leases_are_exclusive_and_a_dead_server_is_not_leased(launch):
     cfg, servers, _ = launch(num_servers=2)
-    first = generation.lease_server(cfg.fleet_dir, servers, 0, wait_s=1)
-    second = generation.lease_server(cfg.fleet_dir, servers, 0, wait_s=1)
-    assert first.server.index != second.server.index
-    with pytest.raises(generation.NoServerFree, match="stayed leased"):
-        generation.lease_server(cfg.fleet_dir, servers, 0, wait_s=0.5)
-    first.release()
-    os.kill(second.server.pid, signal.SIGKILL)
-    second.release()
+    with ExitStack() as first_hold, ExitStack() as second_hold:
+        first = first_hold.enter_context(fleet.lease(cfg.fleet_dir, servers, 0, wait_s=1))
+        second = second_hold.enter_context(fleet.lease(cfg.fleet_dir, servers, 0, wait_s=1))
+        assert first.index != second.index
+        with pytest.raises(NoServerFree, match="stayed leased"):
+            with fleet.lease(cfg.fleet_dir, servers, 0, wait_s=0.5):
+                pass
+        first_hold.close()
+        os.kill(second.pid, signal.SIGKILL)
+        second_hold.close()
     time.sleep(0.3)
-    lease = generation.lease_server(cfg.fleet_dir, servers, 0, wait_s=1)
-    assert lease.server.index == first.server.index
-    lease.release()
+    with fleet.lease(cfg.fleet_dir, servers, 0, wait_s=1) as server:
+        assert server.index == first.index
+
+
+def test_a_lease_is_released_when_its_block_raises(launch):
+    cfg, servers, _ = launch(num_servers=1)
+    with pytest.raises(RuntimeError, match="the shard failed"):
+        with fleet.lease(cfg.fleet_dir, servers, 0, wait_s=1):
+            raise RuntimeError("the shard failed")
+    with fleet.lease(cfg.fleet_dir, servers, 0, wait_s=0.3) as server:  # free again at once, not after a wait
+        assert server.index == servers[0].index
 
 
 def test_a_dead_server_is_never_leased_whichever_server_a_shard_prefers(launch):
@@ -84,17 +96,17 @@ def test_a_dead_server_is_never_leased_whichever_server_a_shard_prefers(launch):
     while is_alive(dead) and time.monotonic() < deadline:
         time.sleep(0.05)
     for shard in range(4):  # every preference order, whatever it is, has the dead server first for some shard
-        lease = generation.lease_server(cfg.fleet_dir, servers, shard, wait_s=1)
-        assert lease.server.index == live.index, f"shard {shard} leased the dead {lease.server.name}"
-        with pytest.raises(generation.NoServerFree):  # the live one is taken: the dead one is no fallback
-            generation.lease_server(cfg.fleet_dir, servers, shard, wait_s=0.3)
-        lease.release()
+        with fleet.lease(cfg.fleet_dir, servers, shard, wait_s=1) as server:
+            assert server.index == live.index, f"shard {shard} leased the dead {server.name}"
+            with pytest.raises(NoServerFree):  # the live one is taken: the dead one is no fallback
+                with fleet.lease(cfg.fleet_dir, servers, shard, wait_s=0.3):
+                    pass
 
 
 def test_server_killed_mid_shard_fails_over_with_nothing_lost_or_duplicated(launch, tmp_path):
     cfg, servers, key = launch(num_servers=2, emulator_profile={"decode_tokens_per_s": 4000, "startup_s": 0.1})
     shard = plan(cfg, tmp_path, n=60, shard_size=60)["shards"][0]
-    parts = cfg.run_dir / "completions" / "shard-00000"
+    parts = cfg.layout.parts(COMPLETIONS, 0)
 
     def kill_server_0_once_results_are_checkpointed():  # shard 0 leases server 0 first
         deadline = time.monotonic() + 60
@@ -107,8 +119,8 @@ def test_server_killed_mid_shard_fails_over_with_nothing_lost_or_duplicated(laun
     with pytest.raises(generation.ShardFailed) as failure:
         run_shard(cfg, key, shard, checkpoint_every=5, stall_s=5, request_retries=1)
     killer.join()
-    assert (cfg.fleet_dir / "unhealthy-0").exists() and not is_alive(servers[0])
-    before = generation.read_done(parts, cfg.run_dir / "completions" / "shard-00000.parquet")
+    assert cfg.layout.fleet.unhealthy(0).exists() and not is_alive(servers[0])
+    before = generation.read_done(parts, cfg.layout.merged(COMPLETIONS, 0))
     assert 0 < len(before) < 60
     # The first line says what happened to which server and what the retry will do; the log tail follows.
     first, *rest = str(failure.value).splitlines()
@@ -128,24 +140,24 @@ def test_a_shard_that_failed_on_a_server_prefers_another_one_after_a_relaunch(la
     cfg, servers, _ = launch(num_servers=2)
     generation.record_failure(cfg.fleet_dir, 0, servers[0], "the server process was killed by SIGKILL")
     relaunched = fleet.launch_fleet(cfg.fleet, tmp_path / "model", cfg.fleet_dir)  # as a clear does
-    assert not list(cfg.fleet_dir.glob("unhealthy-*"))  # a fresh fleet: every server healthy again
+    assert not cfg.layout.fleet.unhealthy_markers()  # a fresh fleet: every server healthy again
     avoid = generation.servers_failed_on(cfg.fleet_dir, 0)
     assert avoid == {0: "the server process was killed by SIGKILL"}
-    with caplog.at_level("WARNING", logger="dflash_regen.generation"):
-        lease = generation.lease_server(cfg.fleet_dir, relaunched, 0, wait_s=1, avoid=avoid)  # shard 0 -> server 0
-    assert lease.server.index == 1
-    assert ("shard 0 failed on server 0 before (the server process was killed by SIGKILL); leased "
-            f"{relaunched[1].name} instead") in caplog.text
-    # While the other server is busy, the shard waits for it rather than go back to server 0 ...
-    with pytest.raises(generation.NoServerFree):
-        generation.lease_server(cfg.fleet_dir, relaunched, 0, wait_s=0.5, avoid=avoid)
-    lease.release()
+    with ExitStack() as hold:
+        with caplog.at_level("WARNING", logger="dflash_regen.fleet"):
+            server = hold.enter_context(fleet.lease(cfg.fleet_dir, relaunched, 0, wait_s=1, avoid=avoid))  # 0 -> 0
+        assert server.index == 1
+        assert ("shard 0 failed on server 0 before (the server process was killed by SIGKILL); leased "
+                f"{relaunched[1].name} instead") in caplog.text
+        # While the other server is busy, the shard waits for it rather than go back to server 0 ...
+        with pytest.raises(NoServerFree):
+            with fleet.lease(cfg.fleet_dir, relaunched, 0, wait_s=0.5, avoid=avoid):
+                pass
     # ... unless server 0 is the only healthy one left.
     os.kill(relaunched[1].pid, signal.SIGKILL)
     time.sleep(0.3)
-    again = generation.lease_server(cfg.fleet_dir, relaunched, 0, wait_s=1, avoid=avoid)
-    assert again.server.index == 0
-    again.release()
+    with fleet.lease(cfg.fleet_dir, relaunched, 0, wait_s=1, avoid=avoid) as again:
+        assert again.index == 0
 
 
 def test_shard_process_killed_while_checkpointing_resumes_from_its_parts(launch, tmp_path):
@@ -162,15 +174,15 @@ job = json.load(open({str(job)!r}))
 run_shard(RunConfig.from_params(job["params"], "test_run"), job["key"], job["shard"], checkpoint_every=3)
 """
     proc = subprocess.Popen([sys.executable, "-c", script])
-    parts = cfg.run_dir / "completions" / "shard-00000"
+    parts = cfg.layout.parts(COMPLETIONS, 0)
     deadline = time.monotonic() + 60
     while len(list(parts.glob("part-*.parquet"))) < 3 and time.monotonic() < deadline:
         time.sleep(0.01)
     assert proc.poll() is None, "the shard process ended before it could be killed"
     proc.send_signal(signal.SIGKILL)
     proc.wait(10)
-    assert not (cfg.run_dir / "completions" / "shard-00000.parquet").exists()
-    done_before = generation.read_done(parts, cfg.run_dir / "completions" / "shard-00000.parquet")
+    assert not cfg.layout.merged(COMPLETIONS, 0).exists()
+    done_before = generation.read_done(parts, cfg.layout.merged(COMPLETIONS, 0))
     assert len(done_before) >= 9
     result, _ = run_shard(cfg, key, shard)
     got = ids_of(result["path"])
@@ -195,7 +207,7 @@ def test_prompts_the_server_rejects_are_quarantined_with_its_message(launch, tmp
     shard = plan(cfg, tmp_path, rows=rows)["shards"][0]
     result, _ = run_shard(cfg, key, shard, max_error_share=0.5)
     assert result["completed"] == 1 and result["quarantined"] == 1
-    failure = pq.read_table(cfg.run_dir / "failures" / "shard-00000.parquet").to_pylist()[0]
+    failure = pq.read_table(cfg.layout.merged(FAILURES, 0)).to_pylist()[0]
     assert failure["sample_id"] == "bad" and failure["reason"] == "http_400"
     assert "HTTP 400: Failed to apply the chat template" in failure["detail"]
 
@@ -209,7 +221,7 @@ def test_prompts_longer_than_the_servers_own_context_are_quarantined_before_send
     shard = plan(cfg, tmp_path, rows=rows)["shards"][0]
     result, _ = run_shard(cfg, key, shard, max_error_share=0.5)
     assert result["completed"] == 1 and result["quarantined"] == 1
-    failure = pq.read_table(cfg.run_dir / "failures" / "shard-00000.parquet").to_pylist()[0]
+    failure = pq.read_table(cfg.layout.merged(FAILURES, 0)).to_pylist()[0]
     assert failure["sample_id"] == "long" and failure["reason"] == "too_long"
     assert f"+ max_tokens 16,384 exceed the context length 20,000 of {servers[0].name}; not sent. Set Param " \
            "context_length to 20,000" in failure["detail"]
@@ -293,7 +305,7 @@ def test_two_shard_processes_racing_on_one_shard_leave_each_sample_once(launch, 
     assert all(p.returncode == 0 for p in procs)
     assert {o["server"] for o in outs} == {0, 1}
     assert sum(o["generated_now"] for o in outs) > 24, "the race produced no duplicate work"
-    got = ids_of(cfg.run_dir / "completions" / "shard-00000.parquet")
+    got = ids_of(cfg.layout.merged(COMPLETIONS, 0))
     assert sorted(got) == sorted(ids_of(shard["path"])) and len(got) == len(set(got))
 
 
@@ -304,9 +316,8 @@ def test_a_kill_between_merge_and_unlink_leaves_duplicates_the_retry_removes(lau
     start_together(tmp_path, [proc], ["a"])
     proc.communicate(timeout=120)
     assert proc.returncode == -signal.SIGKILL
-    merged = cfg.run_dir / "completions" / "shard-00000.parquet"
-    parts = list((cfg.run_dir / "completions" / "shard-00000").glob("part-*.parquet"))
-    on_disk = ids_of(merged) + [i for p in parts for i in ids_of(p)]
+    on_disk = [i for p in shard_sources(cfg.layout.merged(COMPLETIONS, 0), cfg.layout.parts(COMPLETIONS, 0))
+               for i in ids_of(p)]
     assert len(on_disk) == 24  # every sample twice: in the merged file and still in its parts
     result, _ = run_shard(cfg, key, shard)
     got = ids_of(result["path"])
@@ -323,11 +334,11 @@ def test_a_prompt_two_servers_fail_is_quarantined_and_the_shard_goes_on(launch, 
     shard = plan(cfg, tmp_path, rows=POISON_ROWS)["shards"][0]
     result, server = run_shard(cfg, key, shard, request_retries=1, max_error_share=0.5)
     assert result["completed"] == 5 and result["quarantined"] == 1
-    (failure,) = pq.read_table(cfg.run_dir / "failures" / "shard-00000.parquet").to_pylist()
+    (failure,) = pq.read_table(cfg.layout.merged(FAILURES, 0)).to_pylist()
     assert failure["sample_id"] == "poison" and failure["reason"] == "http_500" and failure["stage"] == "generate"
     assert all(s.name in failure["detail"] for s in servers)
     assert "Failed to apply the chat template" in failure["detail"]
-    assert not list(cfg.fleet_dir.glob("unhealthy-*"))  # both answer every other prompt: neither is unhealthy
+    assert not cfg.layout.fleet.unhealthy_markers()  # both answer every other prompt: neither is unhealthy
     # Above the Param's share the shard fails at once, naming the Param and a refused sample.
     with pytest.raises(generation.TooManyPromptErrors, match=r"refused 1 of 6 prompts \(16.7%\), above Param "
                                                              r"max_generate_error_share=10.0%; e.g. poison: http_500"):
@@ -350,4 +361,4 @@ def test_a_wrong_api_key_fails_the_shard_at_once_naming_the_setting(launch, tmp_
     with pytest.raises(generation.AuthError, match="refused the API key with HTTP 401.*DFLASH_SGLANG_API_KEY"):
         run_shard(cfg, "not-the-key", shard)
     assert time.monotonic() - started < 10  # not retried with backoff
-    assert not (cfg.run_dir / "failures" / "shard-00000").exists()  # nothing quarantined
+    assert not cfg.layout.parts(FAILURES, 0).exists()  # nothing quarantined

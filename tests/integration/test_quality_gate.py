@@ -6,9 +6,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from dflash_regen import generation, quality, tokenized
+from dflash_regen import quality, schemas, tokenized
 from dflash_regen.demo_model import write_demo_model
-from dflash_regen.planning import SHARD_SCHEMA
+from dflash_regen.layout import RunLayout
 from dflash_regen.tokenize import load_tokenizer
 
 
@@ -19,7 +19,7 @@ def tokenizer(tmp_path_factory):
 
 def completion(sid, reasoning, content):
     turn = {"role": "assistant", "content": content, "reasoning_content": reasoning}
-    row = dict.fromkeys(generation.COMPLETION_SCHEMA.names)
+    row = dict.fromkeys(schemas.COMPLETION.names)
     row.update({"sample_id": sid, "shard": 0, "reasoning_content": reasoning or None, "content": content,
                 "finish_reason": "stop", "completion_tokens": 10, "think_marker_leak": False,
                 "enable_thinking": True, "assistant_turns": json.dumps([turn])})
@@ -30,20 +30,22 @@ def test_a_dataset_of_87_percent_empty_answers_is_refused_naming_the_expectation
     ids = [f"s{i:03d}" for i in range(100)]
     prompts = [{"sample_id": sid, "messages": json.dumps([{"role": "user", "content": f"Question {sid}?"}]),
                 "tools": None, "location": f"p.jsonl:{i + 1}", "prompt_tokens": None} for i, sid in enumerate(ids)]
-    pq.write_table(pa.Table.from_pylist(prompts, schema=SHARD_SCHEMA), tmp_path / "shard.parquet")
+    pq.write_table(pa.Table.from_pylist(prompts, schema=schemas.PROMPT_SHARD), tmp_path / "shard.parquet")
     rows = [completion(sid, "", "OK.") for sid in ids[:87]]
     thought = " ".join(f"Step {k}: check case {k * 7} against the rule." for k in range(12))
     rows += [completion(sid, thought, "A real answer with detail.") for sid in ids[87:]]
-    pq.write_table(pa.Table.from_pylist(rows, schema=generation.COMPLETION_SCHEMA), tmp_path / "done.parquet")
-    run = tmp_path / "run"
-    tokenized.tokenize_shard(tmp_path / "shard.parquet", tmp_path / "done.parquet", run / "tokenized", 0, tokenizer,
+    pq.write_table(pa.Table.from_pylist(rows, schema=schemas.COMPLETION), tmp_path / "done.parquet")
+    run = RunLayout(tmp_path / "run")
+    tokenized.tokenize_shard(tmp_path / "shard.parquet", tmp_path / "done.parquet", run, 0, tokenizer,
                              include_reasoning=True)
-    summary = pq.read_table(run / "tokenized" / "summary-00000.parquet").to_pylist()
+    summary = pq.read_table(run.summary(0)).to_pylist()
     assert sum(r["loss_mask_sum"] == 6 for r in summary) == 87  # the seed's exact signature
 
-    report = quality.validate_run(run, 100, quality.QualitySettings(), run / "docs")
+    report = quality.validate_run(run, 100, quality.QualitySettings(), run.data_docs)
     assert report["success"] is False
     assert report["quarantined_by_reason"] == {"empty_answer_mask": 87}
     failed = [e for e in report["expectations"] if not e["success"]]
     assert any(e["kwargs"].get("column") == "loss_mask_sum" and "87 unexpected" in e["observed"] for e in failed)
-    assert (run / "docs" / "index.html").is_file()
+    assert run.data_docs_index.is_file()
+    assert pq.read_schema(run.gate_quarantine) == schemas.GATE_QUARANTINE
+    assert pq.read_table(run.gate_quarantine).num_rows == 87

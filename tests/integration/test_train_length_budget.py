@@ -28,7 +28,7 @@ def test_samples_cut_at_the_training_length_are_kept_marked_and_not_counted_as_t
     source = write_demo_prompts(tmp_path / "prompts.jsonl", 30)
     settings = replace(cfg.plan, shard_size=40, max_bad_share=1.0, max_overlong_share=1.0)
     assert settings.count_tokens  # the budget has planning count every prompt
-    plan = plan_shards(source, cfg.run_dir / "shards", cfg.run_dir / "failures" / "plan.parquet", settings)
+    plan = plan_shards(source, cfg.layout, settings)
     shard = plan["shards"][0]
     done = dag_tasks.generate(cfg.params, "test_run", {**shard, "run_prompts": plan["accepted"]})
     counter = TokenCounter()  # planning's count of a prompt's tokens, stored in the shard
@@ -44,12 +44,12 @@ def test_samples_cut_at_the_training_length_are_kept_marked_and_not_counted_as_t
         assert r["truncated_at_train_length"] == (r["finish_reason"] == "length")
     assert any(not r["content"] for r in cut)  # some were cut inside their thinking: reasoning only
 
-    run = cfg.run_dir
-    tokenized.tokenize_shard(cfg.run_dir / "shards" / f"shard-{shard['shard']:05d}.parquet", done["path"],
-                             run / "tokenized", shard["shard"], tokenizer, include_reasoning=True)
-    summary = pq.read_table(run / "tokenized" / f"summary-{shard['shard']:05d}.parquet").to_pylist()
+    run = cfg.layout
+    tokenized.tokenize_shard(run.shard(shard["shard"]), done["path"], run, shard["shard"], tokenizer,
+                             include_reasoning=True)
+    summary = pq.read_table(run.summary(shard["shard"])).to_pylist()
     assert max(r["n_tokens"] for r in summary) <= TRAIN_MAX_LENGTH  # nothing past what the trainer reads
-    report = quality.validate_run(run, len(rows), cfg.quality, run / "docs")
+    report = quality.validate_run(run, len(rows), cfg.quality, run.run_dir / "docs")
     assert report["success"], [e for e in report["expectations"] if not e["success"]]
     assert report["truncated_at_train_length"] == len(cut)
     assert "truncated" not in report["quarantined_by_reason"]

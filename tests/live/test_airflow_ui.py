@@ -22,6 +22,8 @@ from live_airflow import (
     run_dir,
 )
 
+from dflash_regen.layout import RunLayout
+
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
                  "--disable-sync", "--no-first-run"]
@@ -213,7 +215,7 @@ def test_user_triggers_from_the_form_a_rest_client_and_the_user_each_clear_one_f
 
     # The user opens the failed shard, reads why, and clears it (with Downstream, the form's default).
     # The first line of its error names the server and how it died.
-    spec = next(s for s in (json.loads(p.read_text()) for p in (folder / "fleet").glob("server-*.json"))
+    spec = next(s for s in (json.loads(p.read_text()) for p in RunLayout(folder).fleet.server_specs())
                 if s["pid"] == killed["pid"])
     server = f"server {spec['index']} (GPU {spec['gpu']}, 127.0.0.1:{spec['port']})"
     first = task_error(af, run_id, "generate", 1, map_index=2).splitlines()[0]

@@ -23,6 +23,7 @@ from conftest import free_port_block, processes_mentioning
 from live_airflow import LiveAirflow, completion_ids, descendants, published_manifest, run_dir
 
 from dflash_regen.demo_prompts import write_demo_prompts
+from dflash_regen.layout import COMPLETIONS, RunLayout
 
 pytestmark = pytest.mark.celery
 
@@ -102,18 +103,19 @@ def server_port(status: dict) -> int:
 
 def check_published_run(af: LiveAirflow, run_id: str, dataset: str) -> dict:
     folder = run_dir(af, run_id)
-    assignment = json.loads((folder / "reports" / "assignment.json").read_text())
+    run = RunLayout(folder)
+    assignment = json.loads(run.report("assignment").read_text())
     for name, node in assignment["nodes"].items():  # every shard ran on a server of the node it was given to
         ports = range(af.nodes[name]["base_port"], af.nodes[name]["base_port"] + 2)
         for shard in node["shards"]:
-            status = json.loads((folder / "status" / f"shard-{shard:05d}.json").read_text())
+            status = json.loads(run.status(shard).read_text())
             assert status["state"] == "done" and server_port(status) in ports, (name, shard, status)
     ids = completion_ids(folder)
     assert len(ids) == len(set(ids)), "a sample was generated twice"
     manifest = published_manifest(af, run_id, dataset)
     counts = manifest["counts"]
     assert counts["prompts"] == counts["published"] + counts["quarantined"]
-    plan = json.loads((folder / "reports" / "plan.json").read_text())
+    plan = json.loads(run.report("plan").read_text())
     assert sum(n["prompts"] for n in assignment["nodes"].values()) == plan["accepted"]
     assert sorted(s for n in assignment["nodes"].values() for s in n["shards"]) == list(range(plan["shards"]))
     return manifest
@@ -121,22 +123,19 @@ def check_published_run(af: LiveAirflow, run_id: str, dataset: str) -> dict:
 
 def results_on_disk(folder: Path, shards: list[int]) -> int:
     """Completions of these shards on disk: a finished shard's merged file, else its checkpoint parts."""
-    total = 0
-    for s in shards:
-        merged = folder / "completions" / f"shard-{s:05d}.parquet"
-        parts = [merged] if merged.is_file() else (folder / "completions" / f"shard-{s:05d}").glob("*.parquet")
-        total += sum(pq.read_metadata(p).num_rows for p in parts)
-    return total
+    run = RunLayout(folder)
+    return sum(pq.read_metadata(p).num_rows for s in shards for p in run.result_files(COMPLETIONS, s))
 
 
 def check_split(folder: Path) -> dict:
     """Each node's share of the prompts follows the rate calibrate measured on it."""
-    ready = {n: json.loads((folder / "reports" / "nodes" / n / "ready.json").read_text()) for n in RATES}
+    run = RunLayout(folder)
+    ready = {n: json.loads(run.node_report("ready", n).read_text()) for n in RATES}
     measured = ready["fast"]["prompts_per_s"] / ready["slow"]["prompts_per_s"]
     # The emulated 3:1 decode rates show as 3:1 (2.94 here) within what a loaded 2-core machine does to the
     # fast node's client, which has 3x as many requests per second to handle.
     assert 2.0 <= measured <= 4.0, ready
-    split = json.loads((folder / "reports" / "assignment.json").read_text())["nodes"]
+    split = json.loads(run.report("assignment").read_text())["nodes"]
     total = sum(n["prompts"] for n in split.values())
     for node in split.values():
         # each shard goes to the node that would finish it first: proportional to within one shard
@@ -155,9 +154,9 @@ def test_two_nodes_split_by_speed_and_a_node_killed_mid_run_loses_nothing(two_no
     folder = run_dir(af, run_id)
     deadline = time.monotonic() + 300
     while True:  # a slow-node shard has checkpointed results and is still going
-        assignment = folder / "reports" / "assignment.json"
+        assignment = RunLayout(folder).report("assignment")
         slow = json.loads(assignment.read_text())["nodes"]["slow"]["shards"] if assignment.is_file() else []
-        running = [s for s in slow if (json.loads(p.read_text()) if (p := folder / "status" / f"shard-{s:05d}.json")
+        running = [s for s in slow if (json.loads(p.read_text()) if (p := RunLayout(folder).status(s))
                                         .is_file() else {}).get("state") == "running"]
         if running and results_on_disk(folder, running):
             break
@@ -167,7 +166,7 @@ def test_two_nodes_split_by_speed_and_a_node_killed_mid_run_loses_nothing(two_no
     # The slow node dies: its Celery worker with every task process under it, and its SGLang servers.
     proc = af.procs["worker-slow"]
     victims = [proc.pid, *descendants(proc.pid)]
-    victims += [json.loads(p.read_text())["pid"] for p in (folder / "fleet" / "slow").glob("server-*.json")]
+    victims += [json.loads(p.read_text())["pid"] for p in RunLayout(folder, node="slow").fleet.server_specs()]
     for pid in victims:
         try:
             os.kill(pid, signal.SIGKILL)
@@ -203,10 +202,10 @@ def test_two_nodes_split_by_speed_and_a_node_killed_mid_run_loses_nothing(two_no
               f"first start to last end {node['measured_s']} s")
     resent = 0
     for shard in slow:
-        status = json.loads((folder / "status" / f"shard-{shard:05d}.json").read_text())
+        status = json.loads(RunLayout(folder).status(shard).read_text())
         if len(status["attempts"]) > 1:
             last = status["attempts"][-1]
             resent += last["done"] - last["done_before"]
             assert last["done_before"] > 0 or kept == 0
-    total = sum(json.loads((folder / "status" / f"shard-{s:05d}.json").read_text())["total"] for s in slow)
+    total = sum(json.loads(RunLayout(folder).status(s).read_text())["total"] for s in slow)
     assert 0 < kept and resent <= total - kept, "the rerun resent samples that were already on disk"

@@ -3,8 +3,9 @@
 import numpy as np
 import pytest
 
-from dflash_regen import capacity
+from dflash_regen import atomic, capacity
 from dflash_regen.capacity import Curve, Memory, RunShape
+from dflash_regen.capacity.__main__ import main as capacity_cli
 from dflash_regen.emulator import allocation
 
 B200 = Curve(a=1 / 300 - 1 / 2000, k=1 / 2000, measured_up_to=16)  # the emulator's B200 preset
@@ -79,6 +80,15 @@ def test_a_small_kv_pool_is_kv_bound_and_naming_the_running_requests_frees_the_s
     assert capacity.running_batch(mem, RunShape(1000, 1, 100), 2420) == (8, "KV tokens")
 
 
+def test_kv_binds_only_when_it_holds_fewer_requests_than_the_slots():
+    exactly = capacity.binding_resource(seed_memory(kv_tokens=16 * 2420), 2420)
+    assert (exactly.resource, exactly.running, exactly.kv_fit) == ("Mamba slots", 16, 16)
+    short = capacity.binding_resource(seed_memory(kv_tokens=16 * 2420 - 1), 2420)
+    assert (short.resource, short.running, short.kv_fit) == ("KV tokens", 15, 15)
+    advice = capacity.advise(B200, [seed_memory(kv_tokens=16 * 2420)], RunShape(1000, 1, 100), 2420)
+    assert advice["resource"] == "Mamba slots"
+
+
 def test_a_saturated_gpu_is_compute_bound_and_no_flag_is_advised():
     saturated = Curve(a=1 / 1900 - 1 / 2000, k=1 / 2000)  # alone nearly as fast as the whole GPU
     advice = capacity.advise(saturated, [seed_memory()], RunShape(1000, 1, 100), request_tokens=2420)
@@ -125,8 +135,8 @@ def test_the_cli_re_plans_a_stored_report_for_another_run_size(tmp_path, capsys)
                    "fill_s": 0.5, "levels": levels_on(B200), "output_tokens": [1820] * 64,
                    "prompt_tokens": [600] * 64, "finish_reasons": {"stop": 64}, "max_tokens": 16384}
     stored = tmp_path / "capacity.json"
-    capacity.atomic.write_json(stored, capacity.plan_report(calibration, [seed_memory()], RunShape(902_087, 7, 1000)))
-    assert capacity.main(["plan", str(stored), "--prompts", "7000", "--servers", "7"]) == 0
+    atomic.write_json(stored, capacity.plan_report(calibration, [seed_memory()], RunShape(902_087, 7, 1000)))
+    assert capacity_cli(["plan", str(stored), "--prompts", "7000", "--servers", "7"]) == 0
     out = capsys.readouterr().out
     assert "7,000 prompts x 1,820 mean output tokens" in out and "| advised: --max-mamba-cache-size 160" in out
 

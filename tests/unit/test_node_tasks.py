@@ -22,7 +22,7 @@ def test_a_node_failing_a_gate_is_left_out_with_continue_and_fails_the_run_witho
     with pytest.raises(AirflowSkipException, match="node slow is left out of this run"):
         dag_tasks.health_check(params, "r1", node=NODES["slow"])
     cfg = RunConfig.from_params(params, "r1", node="slow")
-    record = json.loads((cfg.reports_dir / "nodes" / "slow" / "left_out.json").read_text())
+    record = json.loads(cfg.layout.node_report("left_out").read_text())
     assert record["task"] == "health_check" and "re-run launch_fleet" in record["error"]
     with pytest.raises(AirflowFailException):
         dag_tasks.health_check(run_params(node_failure="fail"), "r2", node=NODES["slow"])
@@ -31,9 +31,9 @@ def test_a_node_failing_a_gate_is_left_out_with_continue_and_fails_the_run_witho
 
 
 def ready(params, run_id, name, prompts_per_s, servers=2):
-    folder = RunConfig.from_params(params, run_id).reports_dir / "nodes" / name
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "ready.json").write_text(json.dumps({"node": name, "servers": servers, "prompts_per_s": prompts_per_s}))
+    path = RunConfig.from_params(params, run_id).layout.node_report("ready", name)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"node": name, "servers": servers, "prompts_per_s": prompts_per_s}))
 
 
 def test_assign_shards_by_calibrated_rate_and_writes_the_split(run_params):
@@ -42,7 +42,7 @@ def test_assign_shards_by_calibrated_rate_and_writes_the_split(run_params):
     ready(params, "r", "slow", 1.0)
     split = dag_tasks.assign_shards(params, "r", shards(8), ["fast", "slow"])
     assert [len(split["fast"]), len(split["slow"])] == [6, 2]
-    report = json.loads((RunConfig.from_params(params, "r").reports_dir / "assignment.json").read_text())
+    report = json.loads(RunConfig.from_params(params, "r").layout.report("assignment").read_text())
     assert report["basis"] == "calibrated prompts/s" and report["nodes"]["slow"]["predicted_s"] == 20.0
     assert report["nodes"]["fast"]["rate_share"] == 0.75
 

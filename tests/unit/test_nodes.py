@@ -6,6 +6,7 @@ import pytest
 
 from dflash_regen import nodes
 from dflash_regen.errors import ConfigError
+from dflash_regen.layout import RunLayout
 
 
 def shards(*sizes):
@@ -68,19 +69,20 @@ def test_a_node_too_slow_for_even_one_shard_gets_none():
 
 
 def test_split_report_measures_each_node_from_its_shards_attempts(tmp_path):
-    (tmp_path / "reports").mkdir()
-    (tmp_path / "status").mkdir()
-    (tmp_path / "reports" / "assignment.json").write_text(json.dumps({
+    layout = RunLayout(tmp_path)
+    layout.reports_dir.mkdir()
+    layout.status_dir.mkdir()
+    layout.report("assignment").write_text(json.dumps({
         "basis": "calibrated prompts/s", "left_out": {}, "nodes": {
             "a": {"shards": [0, 1], "prompts": 20, "predicted_s": 10.0, "servers": 2},
             "b": {"shards": [2], "prompts": 10, "predicted_s": 12.0, "servers": 1}}}))
     for shard, attempts in {0: [(100, 104)], 1: [(101, 103), (105, 111)], 2: [(100, 113)]}.items():
-        (tmp_path / "status" / f"shard-{shard:05d}.json").write_text(json.dumps({
+        layout.status(shard).write_text(json.dumps({
             "state": "done", "done": 10,
             "attempts": [{"started_at": a, "updated_at": b, "ended_at": b} for a, b in attempts]}))
-    report = nodes.split_report(tmp_path)
+    report = nodes.split_report(layout)
     # a: 2 servers, busy 4 + 2 + 6 s; wall from its first start (100) to its last end (111)
     assert report["nodes"]["a"] == {"shards": [0, 1], "prompts": 20, "predicted_s": 10.0, "servers": 2,
                                     "measured_s": 11, "generating_s": 6.0, "done": 20}
     assert report["nodes"]["b"]["measured_s"] == 13 and report["nodes"]["b"]["done"] == 10
-    assert nodes.split_report(tmp_path / "nowhere") is None
+    assert nodes.split_report(RunLayout(tmp_path / "nowhere")) is None

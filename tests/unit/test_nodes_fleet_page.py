@@ -6,6 +6,7 @@ import json
 from fastapi.testclient import TestClient
 
 from dflash_regen import report_pages
+from dflash_regen.layout import RunLayout
 
 RUN = "two_nodes"
 
@@ -38,23 +39,23 @@ def status(shard, state, done, server, started, ended=None, error=None):
 
 
 def test_fleet_page_of_a_run_on_two_nodes(tmp_path):
-    run = tmp_path / "runs" / RUN
-    write(run / "reports" / "plan.json", {"rows": 30, "accepted": 30})
-    write(run / "shards" / "plan.json", {"shards": [{"shard": i, "prompts": 10} for i in range(3)]})
-    write(run / "reports" / "assignment.json", {"basis": "calibrated prompts/s", "left_out": {}, "nodes": {
+    run = RunLayout.of(tmp_path, RUN)
+    write(run.report("plan"), {"rows": 30, "accepted": 30})
+    write(run.plan, {"shards": [{"shard": i, "prompts": 10} for i in range(3)]})
+    write(run.report("assignment"), {"basis": "calibrated prompts/s", "left_out": {}, "nodes": {
         "fast": {"shards": [0, 2], "prompts": 20, "rate_share": 0.67, "predicted_s": 8.0, "servers": 1},
         "slow": {"shards": [1], "prompts": 10, "rate_share": 0.33, "predicted_s": 8.0, "servers": 1}}})
     for node, port in (("fast", 30000), ("slow", 31000)):
         server = f"server 0 (GPU 0, 127.0.0.1:{port})"
-        write(run / "reports" / "nodes" / node / "health.json", {"passed": True, "servers": [
+        write(run.node_report("health", node), {"passed": True, "servers": [
             {"server": server, "healthy": True, "allocation": {"kv_tokens": 1000, "mamba_slots": 20,
                                                          "running_slots": 4}}]})
-        write(run / "reports" / "nodes" / node / "smoke.json", {"passed": True, "servers": [
+        write(run.node_report("smoke", node), {"passed": True, "servers": [
             {"server": server, "ok": True, "results": []}]})
-    write(run / "status" / "shard-00000.json", status(0, "done", 10, "server 0 (GPU 0, 127.0.0.1:30000)", 1000, 1008))
-    write(run / "status" / "shard-00002.json", status(2, "running", 4, "server 0 (GPU 0, 127.0.0.1:30000)", 1008))
-    write(run / "status" / "shard-00001.json", status(1, "failed", 3, "server 0 (GPU 0, 127.0.0.1:31000)", 1000,
-                                                      1005, error="shard 1 stopped on server 0: was killed"))
+    write(run.status(0), status(0, "done", 10, "server 0 (GPU 0, 127.0.0.1:30000)", 1000, 1008))
+    write(run.status(2), status(2, "running", 4, "server 0 (GPU 0, 127.0.0.1:30000)", 1008))
+    write(run.status(1), status(1, "failed", 3, "server 0 (GPU 0, 127.0.0.1:31000)", 1000,
+                                    1005, error="shard 1 stopped on server 0: was killed"))
     client = TestClient(report_pages.build_app(tmp_path, auth=lambda: None, airflow=Airflow()))
 
     report = client.get(f"/runs/{RUN}/fleet.json").json()

@@ -4,6 +4,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from dflash_regen.errors import PlanFailed
+from dflash_regen.layout import RunLayout
 from dflash_regen.planning import PlanSettings, plan_shards, shard_label
 
 SETTINGS = PlanSettings(shard_size=3, max_tokens=1000, context_length=4096, max_bad_share=0.5)
@@ -20,22 +21,22 @@ def user(text, **extra):
 
 def test_shards_hold_rows_in_input_order_and_replanning_gives_the_same_shards(tmp_path):
     src = write_rows(tmp_path / "p.jsonl", [user(f"q{i}") for i in range(7)])
-    plan = plan_shards(src, tmp_path / "shards", tmp_path / "q.parquet", SETTINGS)
+    plan = plan_shards(src, RunLayout(tmp_path), SETTINGS)
     assert [s["prompts"] for s in plan["shards"]] == [3, 3, 1]
     assert plan["shards"][0]["label"] == "shard 0000 (3 prompts)"
     first = pq.read_table(plan["shards"][0]["path"]).to_pylist()
     assert [json.loads(r["messages"])[0]["content"] for r in first] == ["q0", "q1", "q2"]
-    again = plan_shards(src, tmp_path / "shards2", tmp_path / "q2.parquet", SETTINGS)
+    again = plan_shards(src, RunLayout(tmp_path / "again"), SETTINGS)
     for a, b in zip(plan["shards"], again["shards"], strict=True):
         assert pq.read_table(a["path"]).equals(pq.read_table(b["path"]))
 
 
 def test_unchanged_input_reuses_the_recorded_plan(tmp_path):
     src = write_rows(tmp_path / "p.jsonl", [user("a"), user("b")])
-    plan = plan_shards(src, tmp_path / "shards", tmp_path / "q.parquet", SETTINGS)
-    mtime = (tmp_path / "shards" / "shard-00000.parquet").stat().st_mtime_ns
-    assert plan_shards(src, tmp_path / "shards", tmp_path / "q.parquet", SETTINGS) == plan
-    assert (tmp_path / "shards" / "shard-00000.parquet").stat().st_mtime_ns == mtime
+    plan = plan_shards(src, RunLayout(tmp_path), SETTINGS)
+    mtime = RunLayout(tmp_path).shard(0).stat().st_mtime_ns
+    assert plan_shards(src, RunLayout(tmp_path), SETTINGS) == plan
+    assert RunLayout(tmp_path).shard(0).stat().st_mtime_ns == mtime
 
 
 def test_bad_duplicate_and_over_long_rows_are_quarantined_and_counts_reconcile(tmp_path):
@@ -43,8 +44,8 @@ def test_bad_duplicate_and_over_long_rows_are_quarantined_and_counts_reconcile(t
     rows = [user("ok", id="a"), user("dup", id="a"), "{broken", user(long_text, id="long"), user("fine")]
     src = write_rows(tmp_path / "p.jsonl", rows)
     lenient = PlanSettings(shard_size=3, max_tokens=1000, context_length=4096, max_bad_share=0.9)
-    plan = plan_shards(src, tmp_path / "shards", tmp_path / "q.parquet", lenient)
-    q = pq.read_table(tmp_path / "q.parquet").to_pylist()
+    plan = plan_shards(src, RunLayout(tmp_path), lenient)
+    q = pq.read_table(RunLayout(tmp_path).planning_quarantine).to_pylist()
     assert {r["reason"] for r in q} == {"duplicate_id", "not_json", "too_long"}
     assert [r["location"] for r in q] == ["p.jsonl:2", "p.jsonl:3", "p.jsonl:4"]
     assert plan["rows"] == 5 == plan["accepted"] + plan["quarantined"]
@@ -54,8 +55,8 @@ def test_bad_duplicate_and_over_long_rows_are_quarantined_and_counts_reconcile(t
 def test_too_many_bad_rows_fail_planning_with_the_reasons(tmp_path):
     src = write_rows(tmp_path / "p.jsonl", ["{", "{", user("ok")])
     with pytest.raises(PlanFailed, match=r"2 of 3 rows \(66.7%\) are unusable.*max_bad_row_share=50.0%"):
-        plan_shards(src, tmp_path / "shards", tmp_path / "q.parquet", SETTINGS)
-    assert (tmp_path / "q.parquet").is_file()  # the bad rows are kept for the user to look at
+        plan_shards(src, RunLayout(tmp_path), SETTINGS)
+    assert RunLayout(tmp_path).planning_quarantine.is_file()  # the bad rows are kept for the user to look at
 
 
 def test_label_format():
@@ -93,7 +94,7 @@ def test_every_supported_input_format_plans_with_its_rows_ids_repairs_and_quaran
                                 {"id": "h1", "conversations": [{"from": "human", "value": "dup"}]}],
                                ).save_to_disk(str(src / "e-hf"))
 
-    plan = plan_shards(src, tmp_path / "shards", tmp_path / "q.parquet", SETTINGS)
+    plan = plan_shards(src, RunLayout(tmp_path), SETTINGS)
 
     assert plan["formats"] == {"openai": 2, "sharegpt": 2, "specforge": 1, "prompt": 1}
     # Counted on the planned rows: o2 and s1 carry the Python-style tool (dict, str, int, any, a missing zip);
@@ -101,7 +102,7 @@ def test_every_supported_input_format_plans_with_its_rows_ids_repairs_and_quaran
     assert plan["repairs"] == {"bare_function": 2, "final_answer_dropped": 4, "required_absent": 2, "type_any": 2,
                                "type_name": 6}
     assert plan["skipped_files"] == [str(src / "README.md")]
-    q = {r["location"]: r for r in pq.read_table(tmp_path / "q.parquet").to_pylist()}
+    q = {r["location"]: r for r in pq.read_table(RunLayout(tmp_path).planning_quarantine).to_pylist()}
     assert {loc: r["reason"] for loc, r in q.items()} == {
         "a-openai.jsonl:3": "bad_tool", "b-sharegpt.parquet#2": "bad_role", "d-prompt.csv:3": "empty",
         "e-hf/data-00000-of-00001.arrow#2": "duplicate_id"}
@@ -125,7 +126,7 @@ def test_an_empty_source_says_the_file_is_empty(tmp_path):
     src = tmp_path / "p.jsonl"
     src.write_text("")
     with pytest.raises(PlanFailed, match=r"p.jsonl has no rows: the file is empty"):
-        plan_shards(src, tmp_path / "shards", tmp_path / "q.parquet", SETTINGS)
+        plan_shards(src, RunLayout(tmp_path), SETTINGS)
 
 
 def test_a_datasetdict_with_several_splits_asks_which_one(tmp_path):
@@ -137,23 +138,23 @@ def test_a_datasetdict_with_several_splits_asks_which_one(tmp_path):
     datasets.DatasetDict({"train": part, "test": part}).save_to_disk(str(tmp_path / "dd"))
     with pytest.raises(PromptSourceError, match=r"DatasetDict with splits \['train', 'test'\]; set Param "
                                                 r"prompt_source to the split to regenerate, e.g. .*dd/train"):
-        plan_shards(tmp_path / "dd", tmp_path / "shards", tmp_path / "q.parquet", SETTINGS)
+        plan_shards(tmp_path / "dd", RunLayout(tmp_path), SETTINGS)
     datasets.DatasetDict({"train": part}).save_to_disk(str(tmp_path / "one"))
-    assert plan_shards(tmp_path / "one", tmp_path / "shards", tmp_path / "q.parquet", SETTINGS)["accepted"] == 1
+    assert plan_shards(tmp_path / "one", RunLayout(tmp_path), SETTINGS)["accepted"] == 1
 
 
 def test_more_shards_than_airflow_can_map_are_refused_with_the_count_and_the_shard_size_that_fits(tmp_path):
     src = write_rows(tmp_path / "p.jsonl", [user(f"q{i}") for i in range(25)])
     capped = PlanSettings(shard_size=1, max_tokens=1000, context_length=4096, max_bad_share=0.5, max_shards=10)
     with pytest.raises(PlanFailed) as info:
-        plan_shards(src, tmp_path / "shards", tmp_path / "q.parquet", capped)
+        plan_shards(src, RunLayout(tmp_path), capped)
     message = str(info.value)
     assert message.startswith("25 prompts in shards of 1 make 25 shards, more than the 10 mapped tasks Airflow "
                               "allows ([core] max_map_length); set Param shard_size to at least 3"), message
-    assert len(list((tmp_path / "shards").glob("shard-*.parquet"))) <= 10  # stopped writing at the cap
-    assert not (tmp_path / "shards" / "plan.json").exists()
+    assert len(RunLayout(tmp_path).shard_files()) <= 10  # stopped writing at the cap
+    assert not RunLayout(tmp_path).plan.exists()
     fits = PlanSettings(shard_size=3, max_tokens=1000, context_length=4096, max_bad_share=0.5, max_shards=10)
-    assert len(plan_shards(src, tmp_path / "shards", tmp_path / "q.parquet", fits)["shards"]) == 9
+    assert len(plan_shards(src, RunLayout(tmp_path), fits)["shards"]) == 9
 
 
 def test_prompts_past_train_max_length_are_counted_quarantined_and_bounded(tmp_path):
@@ -162,11 +163,11 @@ def test_prompts_past_train_max_length_are_counted_quarantined_and_bounded(tmp_p
     src = write_rows(tmp_path / "p.jsonl", [user(long_text, id="long")] + [user(f"q{i}") for i in range(19)])
     settings = PlanSettings(shard_size=10, max_tokens=1000, context_length=262144, max_bad_share=0.5,
                             train_max_length=4096, max_overlong_share=0.1)
-    plan = plan_shards(src, tmp_path / "shards", tmp_path / "q.parquet", settings)
+    plan = plan_shards(src, RunLayout(tmp_path), settings)
     assert plan["accepted"] == 19 and plan["quarantined_by_reason"] == {"over_train_max_length": 1}
-    (row,) = pq.read_table(tmp_path / "q.parquet").to_pylist()
+    (row,) = pq.read_table(RunLayout(tmp_path).planning_quarantine).to_pylist()
     assert row["sample_id"] == "long" and "prompt tokens, past Param train_max_length=4,096" in row["detail"]
     strict = PlanSettings(**{**settings.__dict__, "max_overlong_share": 0.01})
     with pytest.raises(PlanFailed, match=r"^1 of 20 prompts \(5.0%\) are longer than Param train_max_length=4,096 "
                                          r"tokens by themselves, above Param max_overlong_share=1.0%"):
-        plan_shards(src, tmp_path / "shards2", tmp_path / "q2.parquet", strict)
+        plan_shards(src, RunLayout(tmp_path / "again"), strict)

@@ -1,4 +1,5 @@
-from dflash_regen.probes import Allocation, binding_resource, parse_startup_log
+from dflash_regen import capacity
+from dflash_regen.probes import Allocation, binding_advice, parse_startup_log
 
 SEED_LOG = """\
 [2026-05-01 12:00:01] Load weight end. elapsed=20.11 s, type=Qwen3_5ForConditionalGeneration, avail mem=120.00 GB
@@ -35,22 +36,34 @@ def test_log_prefix_with_rank_tags_still_parses():
 
 
 def test_seed_node_is_mamba_bound_and_the_advice_names_the_flags():
-    capacity, binding, advice = binding_resource(seed_allocation(), request_tokens=2420)
+    capacity, binding, advice = binding_advice(seed_allocation(), request_tokens=2420)
     assert capacity == 472
     assert binding == "Mamba slots (80 // 5 = 16)"
     assert "--max-mamba-cache-size 160 --max-running-requests 32" in advice
 
 
 def test_small_kv_cache_binds_before_slots():
-    capacity, binding, advice = binding_resource(seed_allocation(kv_tokens=20_000), request_tokens=2420)
+    capacity, binding, advice = binding_advice(seed_allocation(kv_tokens=20_000), request_tokens=2420)
     assert (capacity, binding) == (8, "KV tokens")
     assert "--mem-fraction-static" in advice
 
 
 def test_running_request_cap_binds_when_mamba_slots_are_plentiful():
-    _, binding, advice = binding_resource(seed_allocation(running_slots=48, mamba_slots=400), request_tokens=2420)
+    _, binding, advice = binding_advice(seed_allocation(running_slots=48, mamba_slots=400), request_tokens=2420)
     assert binding == "--max-running-requests=48"
     assert "raise --max-running-requests" in advice
+
+
+def test_at_equality_the_slots_bind_in_the_health_table_and_in_the_plan_alike():
+    # The KV cache holds exactly the 16 slots' requests: the server runs all 16, so the Mamba cap binds; one token
+    # less and it holds 15, so KV binds. The health table and the capacity plan give the same verdict either way.
+    for kv_tokens, expected in ((16 * 2420, "Mamba slots"), (16 * 2420 - 1, "KV tokens")):
+        alloc = seed_allocation(kv_tokens=kv_tokens)
+        kv_fit, binding, _ = binding_advice(alloc, request_tokens=2420)
+        assert binding.startswith(expected), (kv_tokens, binding)
+        mem = capacity.Memory.from_health({"allocation": alloc.__dict__})
+        assert capacity.running_batch(mem, capacity.RunShape(1000, 1, 100), 2420)[1] == expected
+        assert kv_fit == kv_tokens // 2420
 
 
 def test_allocation_reads_the_computed_values_not_the_cli_echo():

@@ -7,6 +7,7 @@ import pytest
 
 from dflash_regen import publish
 from dflash_regen.errors import PublishRefused
+from dflash_regen.layout import COMPLETIONS, FAILURES, RunLayout
 
 
 def inputs(tmp_path, rows=2):
@@ -65,18 +66,17 @@ def test_hidden_state_estimate_matches_the_seeds_order_of_magnitude():
 
 def test_publish_run_refuses_counts_that_do_not_reconcile(tmp_path):
     # 5 prompts planned, but the run's files account for 3 published + 1 quarantined: one sample is lost.
-    run = tmp_path / "run"
-    (run / "tokenized").mkdir(parents=True)
-    (run / "failures").mkdir()
-    (run / "completions").mkdir()
+    run = RunLayout(tmp_path / "run")
+    for folder in (run.tokenized_dir, run.results_dir(FAILURES), run.results_dir(COMPLETIONS)):
+        folder.mkdir(parents=True)
     ids = ["a", "b", "c"]
-    pq.write_table(pa.table({"sample_id": ids, "n_tokens": [10] * 3}), run / "tokenized" / "shard-00000.parquet")
-    (run / "tokenized" / "conversations-00000.jsonl").write_text(
+    pq.write_table(pa.table({"sample_id": ids, "n_tokens": [10] * 3}), run.tokenized(0))
+    run.conversations(0).write_text(
         "".join(json.dumps({"id": i, "conversations": []}) + "\n" for i in ids))
     pq.write_table(pa.table({"sample_id": ids, "server": ["s0"] * 3, "completion_tokens": [5] * 3,
-                             "latency_s": [1.0] * 3}), run / "completions" / "shard-00000.parquet")
+                             "latency_s": [1.0] * 3}), run.merged(COMPLETIONS, 0))
     pq.write_table(pa.table({"location": ["p:4"], "stage": ["plan"], "reason": ["bad_role"], "detail": ["x"],
-                             "sample_id": ["d"]}), run / "failures" / "plan.parquet")
+                             "sample_id": ["d"]}), run.planning_quarantine)
     plan = {"rows": 5, "source": "p", "fingerprint": "f"}
     quality = {"success": True, "statistics": {}, "expectations": [], "quarantined_by_reason": {}}
     dest = tmp_path / "published" / "ds" / "v1"

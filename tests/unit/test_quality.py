@@ -98,11 +98,13 @@ def test_a_run_with_no_sample_left_fails_validation_with_the_reasons(tmp_path):
     import pyarrow.parquet as pq
 
     from dflash_regen.errors import GateFailed
+    from dflash_regen.layout import FAILURES, RunLayout
     from dflash_regen.quality import validate_run
 
-    (tmp_path / "failures").mkdir()
+    layout = RunLayout(tmp_path)
+    layout.results_dir(FAILURES).mkdir()
     pq.write_table(pa.table({"sample_id": ["a", "b"], "reason": ["http_400", "http_400"]}),
-                   tmp_path / "failures" / "shard-00000.parquet")
+                   layout.merged(FAILURES, 0))
     with pytest.raises(GateFailed, match=r"^no samples to validate: every prompt of the run was quarantined before "
                                          r"the quality gate \(by reason: \{'http_400': 2\}"):
-        validate_run(tmp_path, 0, S, tmp_path / "docs")
+        validate_run(layout, 0, S, tmp_path / "docs")

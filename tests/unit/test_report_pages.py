@@ -12,6 +12,7 @@ from fastapi import Header, HTTPException
 from fastapi.testclient import TestClient
 
 from dflash_regen import charts, run_report
+from dflash_regen.layout import COMPLETIONS, FAILURES, RunLayout, runs_dir
 from dflash_regen.report_pages import build_app, offline_html
 
 RUN = "manual__2026-12-03T10:00:00+00:00"
@@ -66,58 +67,57 @@ def write_parquet(path, columns: dict):
 
 @pytest.fixture
 def root(tmp_path):
-    run = tmp_path / "out" / "runs" / FOLDER
-    reports = run / "reports"
-    reports.mkdir(parents=True)
-    (reports / "plan.json").write_text(json.dumps({"rows": 10, "accepted": 9}))
-    (reports / "quality.json").write_text(json.dumps({
+    run = RunLayout.of(tmp_path / "out", FOLDER)
+    run.reports_dir.mkdir(parents=True)
+    run.report("plan").write_text(json.dumps({"rows": 10, "accepted": 9}))
+    run.report("quality").write_text(json.dumps({
         "success": False, "samples": 8, "kept": 4, "settings": {"empty_mask_tokens": 6}, "statistics": {},
         "expectations": [
             {"expectation": "expect_column_values_to_be_between", "success": False, "error": None,
              "kwargs": {"column": "loss_mask_sum", "min_value": 7, "mostly": 0.98}, "observed": "4 unexpected"},
             {"expectation": "expect_table_row_count_to_equal", "success": True, "error": None,
              "kwargs": {"value": 8}, "observed": 8}]}))
-    (reports / "health.json").write_text(json.dumps({"passed": True, "servers": [
+    run.report("health").write_text(json.dumps({"passed": True, "servers": [
         {"server": "server 0 (GPU 0, 127.0.0.1:30000)", "healthy": True, "binding": "Mamba slots (80 // 5 = 16)",
          "allocation": {"kv_tokens": 1139584, "mamba_slots": 80, "running_slots": 16}, "problems": []}]}))
-    (reports / "smoke.json").write_text(json.dumps({"passed": True, "max_tokens": 16384, "servers": [
+    run.report("smoke").write_text(json.dumps({"passed": True, "max_tokens": 16384, "servers": [
         {"server": "server 0 (GPU 0, 127.0.0.1:30000)", "ok": True, "results": [
             {"prompt": "coding", "ok": True, "finish_reason": "stop", "tokens_per_s": 150.0, "problem": ""}]}]}))
-    (reports / "capacity.json").write_text(json.dumps(capacity(advised_wall_s=139_680.0)))
-    (run / "shards").mkdir()
-    (run / "shards" / "plan.json").write_text(json.dumps({"shards": [{"shard": 0, "prompts": 9}, {"shard": 1,
+    run.report("capacity").write_text(json.dumps(capacity(advised_wall_s=139_680.0)))
+    run.shards_dir.mkdir()
+    run.plan.write_text(json.dumps({"shards": [{"shard": 0, "prompts": 9}, {"shard": 1,
                                                                                                  "prompts": 8}]}))
     # Shard 0 failed on server 2 (killed), was retried on server 0 and finished; shard 1 runs with 5 done in
     # memory (its heartbeat) but only 2 checkpointed.
-    (run / "status").mkdir()
-    (run / "status" / "shard-00000.json").write_text(json.dumps({"shard": 0, "total": 9, "state": "done", "done": 8,
+    run.status_dir.mkdir()
+    run.status(0).write_text(json.dumps({"shard": 0, "total": 9, "state": "done", "done": 8,
         "quarantined": 1, "output_tokens": 600, "attempts": [
             {"server": "server 2 (GPU 2)", "started_at": 990.0, "updated_at": 995.0, "ended_at": 995.0,
              "state": "failed", "done_before": 0, "done": 2, "output_tokens": 200,
              "error": "shard 0 stopped on server 2 (GPU 2): server 2 stopped answering"},
             {"server": "server 0 (GPU 0)", "started_at": 1000.0, "updated_at": 1006.0, "ended_at": 1006.0,
              "state": "done", "done_before": 2, "done": 8, "output_tokens": 600}]}))
-    (run / "status" / "shard-00001.json").write_text(json.dumps({"shard": 1, "total": 8, "state": "running", "done": 5,
+    run.status(1).write_text(json.dumps({"shard": 1, "total": 8, "state": "running", "done": 5,
         "quarantined": 0, "output_tokens": 500, "attempts": [
             {"server": "server 1 (GPU 1)", "started_at": 1000.0, "updated_at": 1005.0, "state": "running",
              "done_before": 0, "done": 5, "output_tokens": 500}]}))
-    (run / "fleet").mkdir()
-    (run / "fleet" / "unhealthy-2").write_text("server 2 (GPU 2) stopped answering (8 failures in a row)")
-    (run / "fleet" / "server-0.json").write_text(json.dumps({"pid": 1, "launched_at": 998.0}))
-    write_parquet(run / "completions" / "shard-00001" / "part-1.parquet",
+    run.fleet_dir.mkdir()
+    run.fleet.unhealthy(2).write_text("server 2 (GPU 2) stopped answering (8 failures in a row)")
+    run.fleet.server_spec(0).write_text(json.dumps({"pid": 1, "launched_at": 998.0}))
+    write_parquet(run.parts(COMPLETIONS, 1) / "part-1.parquet",
                   {"sample_id": ["t0", "t1"], "server": ["server 1 (GPU 1)"] * 2, "finished_at": [1003.0, 1004.0],
                    "completion_tokens": [100, 100]})
-    write_parquet(run / "tokenized" / "summary-00000.parquet",
+    write_parquet(run.summary(0),
                   {"loss_mask_sum": [6, 6, 6, 6, 900, 1200, 1500, 2000]})
-    write_parquet(run / "failures" / "plan.parquet", {"sample_id": ["a"], "reason": ["bad_role"]})
-    write_parquet(run / "failures" / "shard-00000.parquet", {"sample_id": ["b"], "reason": ["http_400"]})
-    write_parquet(run / "quality" / "quarantine.parquet",
+    write_parquet(run.planning_quarantine, {"sample_id": ["a"], "reason": ["bad_role"]})
+    write_parquet(run.merged(FAILURES, 0), {"sample_id": ["b"], "reason": ["http_400"]})
+    write_parquet(run.gate_quarantine,
                   {"sample_id": ["c", "d", "e", "f"], "reason": ["empty_answer_mask"] * 4})
     rows = {"sample_id": [f"s{i}" for i in range(8)], "server": ["server 0 <b>"] * 8,
             "finished_at": [1000.0 + i for i in range(8)], "completion_tokens": [100] * 8}
-    write_parquet(run / "completions" / "shard-00000.parquet", rows)
-    write_parquet(run / "completions" / "shard-00000" / "part-1.parquet", rows)  # same rows: not counted twice
-    docs = reports / "data_docs"
+    write_parquet(run.merged(COMPLETIONS, 0), rows)
+    write_parquet(run.parts(COMPLETIONS, 0) / "part-1.parquet", rows)  # same rows: not counted twice
+    docs = run.data_docs
     (docs / "validations" / "suite").mkdir(parents=True)
     (docs / "index.html").write_text(
         '<html><head><link rel="stylesheet" href="https://maxcdn.bootstrapcdn.com/b.css"/>'
@@ -194,7 +194,7 @@ def test_fleet_page_lists_the_incidents_and_marks_them_on_the_chart(client):
 def test_advice_is_given_only_when_the_plan_predicts_a_gain(root, client):
     html = client.get(f"/runs/{RUN}/fleet").text
     assert "relaunch with <code>server_flags --max-mamba-cache-size 160" in html and "13% less" in html
-    (root / "runs" / FOLDER / "reports" / "capacity.json").write_text(json.dumps(capacity(advised_wall_s=170_000.0)))
+    RunLayout.of(root, FOLDER).report("capacity").write_text(json.dumps(capacity(advised_wall_s=170_000.0)))
     html = client.get(f"/runs/{RUN}/fleet").text
     assert "relaunch with" not in html and "No change advised" in html and "not predicted to be faster" in html
 
@@ -210,8 +210,8 @@ def test_pages_keep_their_stylesheet_unescaped(client):
 
 
 def test_a_failed_run_says_where_it_stopped_on_every_page(root):
-    (root / "runs" / FOLDER / "reports" / "quality.json").unlink()
-    shutil.rmtree(root / "runs" / FOLDER / "reports" / "data_docs")
+    RunLayout.of(root, FOLDER).report("quality").unlink()
+    shutil.rmtree(RunLayout.of(root, FOLDER).data_docs)
     client = TestClient(build_app(root, require_token, Airflow("failed", failed={"generate[0]"})),
                         headers={"Authorization": "Bearer good"})
     for page in ("quality", "fleet"):
@@ -226,7 +226,7 @@ def test_a_failed_run_says_where_it_stopped_on_every_page(root):
 
 
 def test_runs_table_lists_airflows_run_ids_with_state_counts_and_links(root):
-    (root / "runs" / "dag_test_leftover").mkdir()
+    (runs_dir(root) / "dag_test_leftover").mkdir()
     client = TestClient(build_app(root, require_token, Airflow()), headers={"Authorization": "Bearer good"})
     html = client.get("/").text
     row = html.split('id="runs"', 1)[1].split("</table>", 1)[0]
@@ -297,9 +297,9 @@ def test_time_series_escapes_names_and_draws_one_line_per_server():
 def test_fleet_page_shows_the_autotune_table_and_the_train_length_budget(client, root):
     from dflash_regen import autotune
 
-    reports = root / "runs" / FOLDER / "reports"
+    run = RunLayout.of(root, FOLDER)
     row = {"wall_s_interval": [140_000.0, 150_000.0], "gpu_hours": 280.0, "gpu_hours_interval": [270.0, 290.0]}
-    autotune.write_report(reports, {
+    autotune.write_report(run.reports_dir, {
         "tuning_s": 1_080.0, "candidate_s": 180.0, "budget_s": 1800.0, "sample_prompts": 128,
         "run": {"prompts": 902_087, "servers": 7}, "chosen": "mamba pool x2", "mode": "advise",
         "chosen_flags": "--max-mamba-cache-size 160 --max-running-requests 32", "action": "fleet relaunched as it was",
@@ -311,10 +311,10 @@ def test_fleet_page_shows_the_autotune_table_and_the_train_length_budget(client,
              **row},
             {"candidate": "FP8 KV cache", "flags": "--kv-cache-dtype fp8_e4m3", "running_slots": 16,
              "skipped": "fails smoke: no parsed tool call", "chosen": False}]})
-    capacity_report = json.loads((reports / "capacity.json").read_text())
+    capacity_report = json.loads(run.report("capacity").read_text())
     capacity_report["budget"] = {"train_max_length": 4096, "tokens_past_share": 0.062, "saving_share": 0.071,
                                  "samples_cut_share": 0.09, "reasoning_only_share": 0.021}
-    (reports / "capacity.json").write_text(json.dumps(capacity_report))
+    run.report("capacity").write_text(json.dumps(capacity_report))
     html = client.get(f"/runs/{RUN}/fleet").text
     assert 'id="autotune"' in html and "Chosen: <b>mamba pool x2</b>" in html
     assert "skipped: fails smoke: no parsed tool call" in html and "1,836" in html

@@ -93,4 +93,4 @@ def test_launch_refuses_a_known_bad_sglang_before_starting_anything(tmp_path, mo
     with pytest.raises(VersionRefused, match="SGLang 0.5.13 crashes with MTP") as info:
         fleet.launch_fleet(cfg.fleet, model, cfg.fleet_dir)
     assert isinstance(info.value, ConfigError)
-    assert not list(cfg.fleet_dir.glob("server-*.json"))  # nothing was launched
+    assert not cfg.layout.fleet.server_specs()  # nothing was launched

@@ -1,10 +1,11 @@
 """A shard's status file: one record per attempt, kept across attempts, the failure's first line."""
 
 from dflash_regen import shard_status
+from dflash_regen.layout import RunLayout
 
 
 def test_attempts_accumulate_and_a_failure_keeps_its_first_line(tmp_path):
-    path = shard_status.status_path(tmp_path, 3)
+    path = RunLayout(tmp_path).status(3)
     first = shard_status.ShardStatus(path, 3, total=20, server="server 2", done_before=0, quarantined_before=0)
     first.update(done=4, quarantined=1, output_tokens=800)
     assert shard_status.read(path)["attempts"][0]["state"] == "running"  # what a killed task leaves behind

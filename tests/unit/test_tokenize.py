@@ -21,6 +21,7 @@ from dflash_regen.tokenize import (
     load_tokenizer,
     render,
     summarize_mask,
+    tokenize_batch,
     tokenize_sample,
 )
 
@@ -211,6 +212,56 @@ def test_tool_call_rounds_after_the_last_user_query_are_both_supervised(tok, ref
     assert summary.reasoning_tokens == len(reference.encode("Need the tool.\n</think>")) + len(
         reference.encode("Tool says 18.\n</think>")
     )
+
+
+def test_characters_split_over_several_tokens_are_supervised_whole_at_both_span_edges(tok, reference):
+    # `𓀀` is four byte-level tokens sharing one character's offsets: the span edges fall next to such runs.
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Bye 𓀀",
+                                                     "reasoning_content": "𓀀 first"}]
+    check(tok, reference, messages, None, [
+        ("<|im_start|>user\nHi<|im_end|>\n" + HEADER, 0),
+        ("𓀀 first\n</think>\n\nBye 𓀀<|im_end|>\n", 1),
+    ])
+
+
+def test_a_batch_gives_each_conversation_what_it_gets_alone(tok, monkeypatch):
+    from dflash_regen import tokenize as module
+
+    monkeypatch.setattr(module, "BATCH", 2)  # five conversations span three encode_batch calls
+    empty = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "OK.", "reasoning_content": ""}]
+    conversations = [(SINGLE, None), (empty, None), (SINGLE[:1] + [{"role": "assistant", "content": "x"}], None),
+                     (empty, None), (SINGLE, None)]
+    batch = tokenize_batch(tok, conversations, include_reasoning=False)
+    assert [(ids.tolist(), mask.tolist()) for ids, mask in batch] == [
+        tokenize_sample(tok, m, t, include_reasoning=False) for m, t in conversations]
+    assert [int(mask.sum()) for _, mask in batch][1:4] == [4, 3, 4]  # OK . <|im_end|> \n; x <|im_end|> \n
+
+
+def test_the_loaded_tokenizer_is_the_one_transformers_autotokenizer_loads(tok, model_dir):
+    from transformers import AutoTokenizer
+
+    auto = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+    text = render(auto, SINGLE) + "你好 café 😀 \t\r\n  x"
+    assert tok(text, add_special_tokens=False)["input_ids"] == auto(text, add_special_tokens=False)["input_ids"]
+    assert render(tok, SINGLE) == render(auto, SINGLE)
+    # The special tokens the config names (transformers' Qwen3.5 class adds an unk_token of its own).
+    assert tok.special_tokens_map.items() <= auto.special_tokens_map.items()
+
+
+def test_a_chat_template_file_wins_over_the_config_template(model_dir, tmp_path):
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / name).write_bytes((model_dir / name).read_bytes())
+    (tmp_path / "chat_template.jinja").write_text("{% for m in messages %}[{{ m.content }}]{% endfor %}")
+    assert render(load_tokenizer(tmp_path), SINGLE) == "[What is 2+2?][2 + 2 = **4**.]"
+
+
+def test_summarize_mask_splits_each_run_at_its_first_supervised_think_end():
+    think, x = THINK_END_ID, 7
+    ids = [think, x, think, think, x, x, x, think, x, x, think]
+    mask = [0, 1, 1, 1, 0, 1, 1, 0, 1, 1, 1]
+    # Runs: [1..3] reasoning x,</think> = 2 (the second </think> is content); [5..6] none; [8..10] all 3.
+    assert summarize_mask(ids, mask, think) == MaskSummary(11, 8, 5, 3)
+    assert summarize_mask([], [], think) == MaskSummary(0, 0, 0, 0)
 
 
 def test_generation_prompt_opens_a_think_block(tok):

