@@ -24,10 +24,6 @@ def layout_of(conf, dag_run) -> RunLayout:
     return RunLayout.of(Path(conf["output_root"]), safe_run_id(dag_run.run_id))
 
 
-def run_dir_of(conf, dag_run) -> Path:
-    return layout_of(conf, dag_run).run_dir
-
-
 def logs(caplog, capfd) -> str:
     """What the tasks logged: stdlib records, plus the task runner's structlog lines (failures) on stdout/err."""
     out, err = capfd.readouterr()
