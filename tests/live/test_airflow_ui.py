@@ -183,6 +183,10 @@ def test_user_triggers_from_the_form_a_rest_client_and_the_user_each_clear_one_f
     # The faults land once each shard has results on disk.
     killed_in = fail_shards(af, run_id, {2: "server", 3: "task"}, dataset="qwen3.6-27b-regen")
     killed = killed_in[2]
+    # The killed server, named as its errors name it (read before a clear relaunches the fleet).
+    spec = next(s for s in (json.loads(p.read_text()) for p in RunLayout(folder).fleet.server_specs())
+                if s["pid"] == killed["pid"])
+    server = f"server {spec['index']} (GPU {spec['gpu']}, 127.0.0.1:{spec['port']})"
 
     # The failed run's pages say it failed, where, and why, before anyone clears anything.
     fleet = open_run_tab(page, af, run_id, "dflash-fleet", "Fleet")
@@ -215,9 +219,6 @@ def test_user_triggers_from_the_form_a_rest_client_and_the_user_each_clear_one_f
 
     # The user opens the failed shard, reads why, and clears it (with Downstream, the form's default).
     # The first line of its error names the server and how it died.
-    spec = next(s for s in (json.loads(p.read_text()) for p in RunLayout(folder).fleet.server_specs())
-                if s["pid"] == killed["pid"])
-    server = f"server {spec['index']} (GPU {spec['gpu']}, 127.0.0.1:{spec['port']})"
     first = task_error(af, run_id, "generate", 1, map_index=2).splitlines()[0]
     assert re.fullmatch(rf"ShardFailed: shard 2 failed on {re.escape(server)}: the server process was killed by "
                         r"SIGKILL; \d+ of \d+ samples are kept, a retry or a clear of this shard sends only the "
