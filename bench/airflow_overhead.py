@@ -46,16 +46,16 @@ def direct(params: dict, run_id: str) -> int:
     from dflash_regen import dag_tasks
 
     staged = dag_tasks.stage_weights(params, run_id)
-    dag_tasks.launch_fleet(params, run_id, staged["model_path"])
+    fleet = dag_tasks.launch_fleet(params, run_id, staged["model_path"])
     try:
-        dag_tasks.health_check(params, run_id)
-        dag_tasks.smoke_test(params, run_id)
+        dag_tasks.health_check(params, run_id, fleet)
+        dag_tasks.smoke_test(params, run_id, fleet)
         shards = dag_tasks.plan_shards(params, run_id)
-        dag_tasks.calibrate(params, run_id)
+        dag_tasks.calibrate(params, run_id, fleet, shards)
         for shard in shards:
             dag_tasks.generate(params, run_id, shard)
     finally:
-        dag_tasks.stop_fleet(params, run_id)
+        dag_tasks.stop_fleet(fleet)
     return len(shards)
 
 

@@ -131,7 +131,8 @@ def run_params(tmp_path):
 
 @pytest.fixture
 def launch(run_params, tmp_path, no_leftover_servers):
-    """Launch an emulated fleet from Params overrides; returns (cfg, servers, api key); always stopped."""
+    """Launch an emulated fleet from Params overrides; returns (cfg, servers, api key); always stopped.
+    `launch.params` holds the last launch's Params, for calling dag_tasks with them."""
     from dflash_regen import fleet
     from dflash_regen.config import RunConfig
     from dflash_regen.demo_model import write_demo_model
@@ -140,7 +141,8 @@ def launch(run_params, tmp_path, no_leftover_servers):
     model = write_demo_model(tmp_path / "model")
 
     def start(num_servers=7, **overrides):
-        cfg = RunConfig.from_params(run_params(num_servers, **overrides), "test_run")
+        start.params = run_params(num_servers, **overrides)
+        cfg = RunConfig.from_params(start.params, "test_run")
         fleet_dirs.append(cfg.fleet_dir)
         servers = fleet.launch_fleet(cfg.fleet, model, cfg.fleet_dir)
         return cfg, servers, fleet.read_api_key(cfg.fleet_dir)

@@ -110,8 +110,7 @@ class Tuner:
         self.lengths: dict | None = None  # the current settings' sample: every prediction uses it
 
     def candidate_cfg(self, cand: Candidate) -> RunConfig:
-        flags = " ".join(x for x in (self.cfg.params.get("server_flags") or "", cand.flags) if x)
-        return RunConfig.from_params({**self.cfg.params, "server_flags": flags}, self.cfg.run_id, node=self.cfg.node)
+        return self.cfg.with_extra_flags(cand.flags)
 
     def try_one(self, index: int, cand: Candidate, sample: list[dict], budget_s: float) -> dict:
         started = time.monotonic()
@@ -134,7 +133,7 @@ class Tuner:
             except GateFailed as exc:
                 return {**row, "skipped": f"fails the health gate: {exc.args[0].splitlines()[-1].lstrip('- ')}"}
             try:
-                smoke.smoke_gate(servers, key, ccfg.sampling, one.served_model_name)
+                smoke.smoke_gate(servers, key, ccfg.sampling, one)
             except GateFailed as exc:
                 return {**row, "skipped": f"fails smoke: {str(exc).splitlines()[-1].lstrip('- ')}"}
             mem = capacity.Memory.from_health(health["servers"][0])
@@ -297,9 +296,11 @@ def applied_flags(reports_dir: Path) -> str | None:
 
 def fingerprint(cfg: RunConfig, candidate_s: float, extra: list[str]) -> str:
     """What a stored report was measured for: a rerun with other settings measures again."""
-    keys = ("server_flags", "server_command", "emulator_profile", "emulator_faults", "max_tokens", "num_servers")
-    return json.dumps({"params": {k: cfg.params.get(k) for k in keys}, "candidate_s": candidate_s,
-                       "extra": extra}, sort_keys=True, default=str)
+    f = cfg.fleet
+    params = {"server_flags": f.server_flags, "server_command": f.server_command,
+              "emulator_profile": f.emulator_profile, "emulator_faults": f.emulator_faults,
+              "max_tokens": cfg.sampling.max_tokens, "num_servers": f.num_servers}
+    return json.dumps({"params": params, "candidate_s": candidate_s, "extra": extra}, sort_keys=True, default=str)
 
 
 # ---------------------------------------------------------------------------------------------------- CLI

@@ -1,8 +1,9 @@
 """Typed, frozen run configuration built once from the DAG's Params.
 
-Every field is validated on construction; a bad value raises `ConfigError` naming the field, the value
-and the rule, before any GPU work starts. Airflow is not imported here: the DAG adapter passes the
-Params as a plain dict.
+Every field is validated on construction against the Param table (`dflash_regen.params`, which the DAG's form is
+built from), plus the checks that span several Params; a bad value raises `ConfigError` naming the field, the value
+and the rule, before any GPU work starts. Airflow is not imported here: the DAG adapter passes the Params as a
+plain dict.
 """
 
 from __future__ import annotations
@@ -12,18 +13,15 @@ import os
 import re
 import shlex
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from dflash_regen.deployment import DEMO_MODEL, DEMO_PROMPTS, EMULATOR
 from dflash_regen.errors import ConfigError
 from dflash_regen.layout import RunLayout
-from dflash_regen.prompts import PROMPT_FORMATS
-from dflash_regen.quality import QualitySettings
-
-EMULATOR = "emulator"
-DEMO_MODEL = "demo"
-DEMO_PROMPTS = "demo"
+from dflash_regen.params import SPECS, checked, defaults
+from dflash_regen.params import invalid as _fail
 
 # Qwen3.6-27B with MTP as SGLang's cookbook launches it (notes/sglang-api.md §1.1). Every flag can be
 # overridden or extended by the `server_flags` Param.
@@ -39,138 +37,16 @@ COOKBOOK_FLAGS: dict[str, str | None] = {
     "--enable-metrics": None,
 }
 COOKBOOK_ENV = {"SGLANG_ENABLE_SPEC_V2": "1"}
+LAUNCHER_FLAGS = {"--model-path", "--model", "--host", "--port", "--api-key"}  # set per server by fleet.launch
+MAX_PORT = SPECS["base_port"].maximum  # the last server's port too
 
-
-def _env_object(name: str) -> dict:
-    try:
-        value = json.loads(os.environ.get(name) or "{}")
-    except ValueError as exc:
-        raise ConfigError(f"environment variable {name} is not valid JSON ({exc}); unset it or give a JSON "
-                          'object such as {"decode_tokens_per_s": 3000}') from exc
-    if not isinstance(value, dict):
-        raise ConfigError(f"environment variable {name} must be a JSON object, got {type(value).__name__}")
-    return value
-
-
-# Default Param values (the DAG's trigger form shows them). Deployment-specific ones come from the
-# environment so a GPU node's docker-compose can set them once; the fallbacks run the demo.
-DEFAULTS: dict[str, Any] = {
-    "model_source_dir": os.environ.get("DFLASH_MODEL_SOURCE", DEMO_MODEL),
-    "staging_dir": os.environ.get("DFLASH_STAGING_DIR", ""),
-    "server_command": os.environ.get("DFLASH_SERVER_COMMAND", EMULATOR),
-    "server_flags": "",
-    "served_model_name": "qwen3.6-27b",
-    "num_servers": 7,
-    "gpu_ids": "",
-    "base_port": int(os.environ.get("DFLASH_BASE_PORT", "30000")),
-    "ready_timeout_s": 900.0,
-    "import_timeout_s": 120.0,
-    "min_kv_tokens": 1_000_000,
-    "min_running_requests": 16,
-    "expected_prompt_tokens": 600,
-    "expected_output_tokens": 1820,
-    "max_tokens": 16384,
-    # Qwen3's thinking-mode sampling (Qwen3 model card, "Best Practices"; the Qwen3.6 card's own figures are not in
-    # notes/ or seeds/): temperature 0.6, top_p 0.95, top_k 20, min_p 0; presence_penalty 0 is SGLang's default.
-    "temperature": 0.6,
-    "top_p": 0.95,
-    "top_k": 20,
-    "min_p": 0.0,
-    "presence_penalty": 0.0,
-    "enable_thinking": True,
-    "smoke_timeout_s": 1800.0,
-    "prompt_source": os.environ.get("DFLASH_PROMPT_SOURCE", DEMO_PROMPTS),
-    "prompt_format": "auto",
-    "shard_size": 1000,
-    "context_length": 262144,
-    "max_bad_row_share": 0.05,
-    "max_generate_error_share": 0.05,
-    "seed": 0,
-    "concurrency_per_server": 0,
-    "calibration_prompts": 64,
-    "apply_advised_concurrency": False,
-    "autotune": "advise",
-    "autotune_candidate_s": 180.0,
-    "autotune_budget_s": 1800.0,
-    "autotune_candidates": [],
-    "budget": "full",
-    "stall_timeout_s": 300.0,
-    "request_cap_s": 7200.0,
-    "request_retries": 4,
-    "retry_truncated": False,
-    "regenerate_history": False,
-    "checkpoint_every": 50,
-    "checkpoint_s": 30.0,
-    "mask_reasoning": True,
-    "empty_mask_tokens": 6,
-    "max_bad_sample_share": 0.02,
-    "max_truncated_share": 0.05,
-    "max_repetition_score": 0.5,
-    "train_max_length": 4096,
-    "max_overlong_share": 0.1,
-    "dataset_name": "qwen3.6-27b-regen",
-    "output_root": os.environ.get("DFLASH_OUTPUT_ROOT", str(Path.home() / "dflash-regen")),
-    "emulator_faults": {},
-    "emulator_profile": _env_object("DFLASH_EMULATOR_PROFILE"),
-}
+# Default Param values (the DAG's trigger form shows them), the deployment's environment applied.
+DEFAULTS: dict[str, Any] = defaults()
 
 # Characters that only mean something to a shell. The server command is run from an argv list (never a
 # shell), so they could only be a mistake or an injection attempt: refuse them with a clear message.
 _SHELL_META = re.compile(r"[;&|`$<>(){}\\\n*?!]")
 _RUN_ID_UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
-_DATASET_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
-
-
-def _fail(name: str, value: Any, rule: str) -> ConfigError:
-    return ConfigError(f"Param {name!r} = {value!r} is invalid: {rule}")
-
-
-def _int(params: dict, name: str, lo: int, hi: int) -> int:
-    value = params.get(name)
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise _fail(name, value, "must be an integer")
-    if not lo <= value <= hi:
-        raise _fail(name, value, f"must be between {lo:,} and {hi:,}")
-    return value
-
-
-def _float(params: dict, name: str, lo: float, hi: float) -> float:
-    value = params.get(name)
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise _fail(name, value, "must be a number")
-    if not lo <= value <= hi:
-        raise _fail(name, value, f"must be between {lo} and {hi}")
-    return float(value)
-
-
-def _top_k(params: dict) -> int:
-    value = _int(params, "top_k", -1, 1_000_000)
-    if value == 0:
-        raise _fail("top_k", value, "must be -1 (off) or at least 1; SGLang refuses 0")
-    return value
-
-
-def _str(params: dict, name: str, *, allow_empty: bool = False) -> str:
-    value = params.get(name)
-    if value is None and allow_empty:  # the trigger form sends null for an optional field left empty
-        return ""
-    if not isinstance(value, str) or (not allow_empty and not value.strip()):
-        raise _fail(name, value, "must be a non-empty string")
-    return value.strip()
-
-
-def _bool(params: dict, name: str) -> bool:
-    value = params.get(name)
-    if not isinstance(value, bool):
-        raise _fail(name, value, "must be true or false")
-    return value
-
-
-def _choice(params: dict, name: str, choices: tuple[str, ...]) -> str:
-    value = params.get(name)
-    if value not in choices:
-        raise _fail(name, value, f"must be one of {', '.join(choices)}")
-    return value
 
 
 def _flag_value(argv: list[str], flag: str) -> str:
@@ -231,6 +107,28 @@ def safe_run_id(run_id: str) -> str:
     return cleaned
 
 
+def _server_flags(text: str, name: str = "server_flags") -> list[str]:
+    """The cookbook flags with `text`'s overrides, refusing the flags the launcher sets per server."""
+    overrides = parse_flags(text)
+    for flag, _ in overrides:
+        if flag in LAUNCHER_FLAGS:
+            raise _fail(name, text, f"{flag} is set by the launcher (per server); remove it")
+    return merge_flags(COOKBOOK_FLAGS, overrides)
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """How every request samples: smoke, generation and calibration send these (sglang.chat_payload)."""
+
+    max_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int  # -1 = off (SGLang's convention)
+    min_p: float
+    presence_penalty: float
+    enable_thinking: bool
+
+
 @dataclass(frozen=True)
 class FleetConfig:
     """How to launch and judge the servers."""
@@ -250,6 +148,11 @@ class FleetConfig:
     min_running_requests: int
     expected_prompt_tokens: int
     expected_output_tokens: int
+    smoke_timeout_s: float
+    server_command: str  # the Param: "emulator" or the launcher's command line (server_argv is what runs)
+    server_flags: str  # the Param (flags holds them merged with the cookbook's)
+    emulator_faults: dict  # the Params ({} = none); only the emulator reads them, from env
+    emulator_profile: dict
 
     def port(self, index: int) -> int:
         return self.base_port + index
@@ -258,7 +161,7 @@ class FleetConfig:
 @dataclass(frozen=True)
 class PlanSettings:
     shard_size: int
-    max_tokens: int
+    sampling: SamplingConfig  # planning reads its max_tokens: prompt + max_tokens must fit context_length
     context_length: int
     max_bad_share: float
     prompt_format: str = "auto"  # one of prompts.PROMPT_FORMATS
@@ -267,16 +170,16 @@ class PlanSettings:
     max_overlong_share: float = 1.0
     count_tokens: bool = False  # count every prompt's tokens (Param budget train_length), not only long ones
 
+    def record(self) -> dict:
+        """What planning depends on, as JSON (the plan's fingerprint and plan.json): max_tokens, not the rest of
+        the sampling settings."""
+        record = {k: v for k, v in self.__dict__.items() if k != "sampling"}
+        return record | {"max_tokens": self.sampling.max_tokens}
+
 
 @dataclass(frozen=True)
 class GenerationSettings:
-    max_tokens: int
-    temperature: float
-    top_p: float
-    top_k: int  # -1 = off (SGLang's convention)
-    min_p: float
-    presence_penalty: float
-    enable_thinking: bool
+    sampling: SamplingConfig
     seed: int
     in_flight: int  # 0 = the server's effective running-request slots
     stall_s: float
@@ -294,6 +197,16 @@ class GenerationSettings:
 
 
 @dataclass(frozen=True)
+class QualitySettings:
+    empty_mask_tokens: int = 6  # the seed's empty answer: </think> \n\n OK . <|im_end|> \n
+    max_bad_share: float = 0.02  # share of samples the row rules may quarantine
+    max_truncated_share: float = 0.05
+    max_repetition: float = 0.5  # share of repeated 8-grams in the reasoning
+    max_length: int = 4096  # SpecForge's Qwen3.6-27B recipe trains at 4096
+    max_overlong_share: float = 0.1
+
+
+@dataclass(frozen=True)
 class CapacitySettings:
     calibration_prompts: int  # 0 = no calibration
     apply_advised_concurrency: bool  # generate keeps the planner's in-flight count instead of in_flight
@@ -305,18 +218,6 @@ class AutotuneSettings:
     candidate_s: float = 180.0  # at most this long per candidate's measurement
     budget_s: float = 1800.0  # candidates that would end past this are skipped
     extra: tuple[str, ...] = ()  # flag sets to try besides the derived candidates
-
-
-@dataclass(frozen=True)
-class SamplingConfig:
-    max_tokens: int
-    temperature: float
-    top_p: float
-    top_k: int  # -1 = off (SGLang's convention)
-    min_p: float
-    presence_penalty: float
-    enable_thinking: bool
-    smoke_timeout_s: float
 
 
 @dataclass(frozen=True)
@@ -334,7 +235,6 @@ class RunConfig:
     capacity: CapacitySettings
     mask_reasoning: bool
     dataset_name: str
-    params: dict = field(repr=False, compare=False, default_factory=dict)
     node: str = ""  # a node of several (dflash_regen.nodes); "" = the one-node deployment
     autotune: AutotuneSettings = AutotuneSettings()
     budget: str = "full"  # full | train_length: max_tokens per request = train_max_length - its prompt tokens
@@ -365,51 +265,56 @@ class RunConfig:
     def publish_dir(self) -> Path:
         return self.output_root / "published" / self.dataset_name / self.run_id
 
+    def with_extra_flags(self, extra: str) -> RunConfig:
+        """This run with `extra` SGLang flags on top of Param server_flags (autotune's candidates, the fleet it
+        applied), as if server_flags had said both."""
+        text = " ".join(x for x in (self.fleet.server_flags, extra.strip()) if x)
+        flags = _server_flags(text)
+        return replace(self, fleet=replace(self.fleet, server_flags=text, flags=tuple(flags)),
+                       generation=replace(self.generation, reasoning_parser=_flag_value(flags, "--reasoning-parser")))
+
     @classmethod
     def from_params(cls, params: dict, run_id: str, node: str = "") -> RunConfig:
-        output_root = Path(_str(params, "output_root")).expanduser()
-        if not output_root.is_absolute():
-            raise _fail("output_root", str(output_root), "must be an absolute path")
-        output_root = Path(os.path.normpath(output_root))
+        def get(name: str) -> Any:  # the value, checked against its Param's spec
+            return checked(params, name)
 
-        model_source = _str(params, "model_source_dir")
+        output_root = Path(os.path.normpath(get("output_root")))
+
+        model_source = get("model_source_dir")
         if model_source != DEMO_MODEL and not Path(model_source).is_absolute():
             raise _fail("model_source_dir", model_source, f"must be an absolute path or {DEMO_MODEL!r}")
-        staging_text = _str(params, "staging_dir", allow_empty=True)
         model_name = "dflash-demo-model" if model_source == DEMO_MODEL else Path(model_source).name
-        staging_dir = Path(staging_text or f"/dev/shm/{model_name}")
+        staging_dir = Path(get("staging_dir") or f"/dev/shm/{model_name}")
         if not staging_dir.is_absolute() or ".." in staging_dir.parts:
             raise _fail("staging_dir", str(staging_dir), "must be an absolute path without '..'")
 
-        command_text = _str(params, "server_command")
+        command_text = get("server_command")
         is_emulator = command_text == EMULATOR
         server_argv = ([sys.executable, "-m", "dflash_regen.emulator"] if is_emulator
                        else split_command(command_text))
 
-        num_servers = _int(params, "num_servers", 1, 64)
-        gpu_text = _str(params, "gpu_ids", allow_empty=True)
+        num_servers = get("num_servers")
+        gpu_text = get("gpu_ids")
         if gpu_text:
-            gpu_ids = tuple(g.strip() for g in gpu_text.split(","))
-            if len(gpu_ids) != num_servers or not all(g.isdigit() for g in gpu_ids):
+            gpu_ids = tuple(gpu_text.split(","))
+            if len(gpu_ids) != num_servers:
                 raise _fail("gpu_ids", gpu_text, f"must list {num_servers} comma-separated GPU numbers "
                             "(one per server), or be empty for 0..num_servers-1")
         else:
             gpu_ids = tuple(str(i) for i in range(num_servers))
-        base_port = _int(params, "base_port", 1024, 65535 - num_servers)
+        base_port = get("base_port")
+        if base_port + num_servers - 1 > MAX_PORT:
+            raise _fail("base_port", base_port, f"with num_servers = {num_servers} the last server would listen on "
+                        f"port {base_port + num_servers - 1:,}, past {MAX_PORT:,}; lower base_port or num_servers")
 
-        overrides = parse_flags(_str(params, "server_flags", allow_empty=True))
-        for flag, _ in overrides:
-            if flag in {"--model-path", "--model", "--host", "--port", "--api-key"}:
-                raise _fail("server_flags", flag, "is set by the launcher (per server); remove it")
-        flags = merge_flags(COOKBOOK_FLAGS, overrides)
-        served = _str(params, "served_model_name")
+        server_flags = get("server_flags")
+        flags = _server_flags(server_flags)
+        served = get("served_model_name")
 
         env = dict(COOKBOOK_ENV)
+        faults, profile = get("emulator_faults"), get("emulator_profile")
         if is_emulator:
-            for name, var in (("emulator_faults", "DFLASH_EMU_FAULTS"), ("emulator_profile", "DFLASH_EMU_PROFILE")):
-                value = params.get(name) or {}
-                if not isinstance(value, dict):
-                    raise _fail(name, value, "must be a JSON object")
+            for value, var in ((faults, "DFLASH_EMU_FAULTS"), (profile, "DFLASH_EMU_PROFILE")):
                 if value:
                     env[var] = json.dumps(value, sort_keys=True)
 
@@ -423,84 +328,76 @@ class RunConfig:
             flags=tuple(flags),
             env=tuple(sorted(env.items())),
             served_model_name=served,
-            ready_timeout_s=_float(params, "ready_timeout_s", 1, 7200),
-            import_timeout_s=_float(params, "import_timeout_s", 1, 600),
-            min_kv_tokens=_int(params, "min_kv_tokens", 0, 10**9),
-            min_running_requests=_int(params, "min_running_requests", 1, 100_000),
-            expected_prompt_tokens=_int(params, "expected_prompt_tokens", 1, 10**7),
-            expected_output_tokens=_int(params, "expected_output_tokens", 1, 10**7),
+            ready_timeout_s=get("ready_timeout_s"),
+            import_timeout_s=get("import_timeout_s"),
+            min_kv_tokens=get("min_kv_tokens"),
+            min_running_requests=get("min_running_requests"),
+            expected_prompt_tokens=get("expected_prompt_tokens"),
+            expected_output_tokens=get("expected_output_tokens"),
+            smoke_timeout_s=get("smoke_timeout_s"),
+            server_command=command_text,
+            server_flags=server_flags,
+            emulator_faults=faults,
+            emulator_profile=profile,
         )
-        enable_thinking = _bool(params, "enable_thinking")
         sampling = SamplingConfig(
-            max_tokens=_int(params, "max_tokens", 16, 1_000_000),
-            temperature=_float(params, "temperature", 0.0, 2.0),
-            top_p=_float(params, "top_p", 0.01, 1.0),
-            top_k=_top_k(params),
-            min_p=_float(params, "min_p", 0.0, 1.0),
-            presence_penalty=_float(params, "presence_penalty", -2.0, 2.0),
-            enable_thinking=enable_thinking,
-            smoke_timeout_s=_float(params, "smoke_timeout_s", 1, 86_400),
+            max_tokens=get("max_tokens"),
+            temperature=get("temperature"),
+            top_p=get("top_p"),
+            top_k=get("top_k"),
+            min_p=get("min_p"),
+            presence_penalty=get("presence_penalty"),
+            enable_thinking=get("enable_thinking"),
         )
-        prompt_source = _str(params, "prompt_source")
+        prompt_source = get("prompt_source")
         if prompt_source != DEMO_PROMPTS and not Path(prompt_source).is_absolute():
             raise _fail("prompt_source", prompt_source, f"must be an absolute path or {DEMO_PROMPTS!r}")
+        budget = get("budget")
         plan = PlanSettings(
-            shard_size=_int(params, "shard_size", 1, 1_000_000),
-            max_tokens=sampling.max_tokens,
-            context_length=_int(params, "context_length", 256, 10_000_000),
-            max_bad_share=_float(params, "max_bad_row_share", 0.0, 1.0),
-            prompt_format=_choice(params, "prompt_format", PROMPT_FORMATS),
-            train_max_length=_int(params, "train_max_length", 1, 10_000_000),
-            max_overlong_share=_float(params, "max_overlong_share", 0.0, 1.0),
-            count_tokens=_choice(params, "budget", ("full", "train_length")) == "train_length",
+            shard_size=get("shard_size"),
+            sampling=sampling,
+            context_length=get("context_length"),
+            max_bad_share=get("max_bad_row_share"),
+            prompt_format=get("prompt_format"),
+            train_max_length=get("train_max_length"),
+            max_overlong_share=get("max_overlong_share"),
+            count_tokens=budget == "train_length",
         )
-        if plan.max_tokens >= plan.context_length:
-            raise _fail("max_tokens", plan.max_tokens, f"must be below context_length {plan.context_length:,}")
+        if sampling.max_tokens >= plan.context_length:
+            raise _fail("max_tokens", sampling.max_tokens, f"must be below context_length {plan.context_length:,}")
         generation = GenerationSettings(
-            max_tokens=sampling.max_tokens, temperature=sampling.temperature, top_p=sampling.top_p,
-            top_k=sampling.top_k, min_p=sampling.min_p, presence_penalty=sampling.presence_penalty,
-            enable_thinking=sampling.enable_thinking, seed=_int(params, "seed", 0, 2**31 - 1),
-            in_flight=_int(params, "concurrency_per_server", 0, 4096),
-            stall_s=_float(params, "stall_timeout_s", 1, 86_400),
-            request_cap_s=_float(params, "request_cap_s", 1, 7 * 86_400),
-            request_retries=_int(params, "request_retries", 0, 100),
-            retry_truncated=_bool(params, "retry_truncated"),
-            regenerate_history=_bool(params, "regenerate_history"),
-            checkpoint_every=_int(params, "checkpoint_every", 1, 1_000_000),
-            checkpoint_s=_float(params, "checkpoint_s", 0.1, 86_400),
+            sampling=sampling,
+            seed=get("seed"),
+            in_flight=get("concurrency_per_server"),
+            stall_s=get("stall_timeout_s"),
+            request_cap_s=get("request_cap_s"),
+            request_retries=get("request_retries"),
+            retry_truncated=get("retry_truncated"),
+            regenerate_history=get("regenerate_history"),
+            checkpoint_every=get("checkpoint_every"),
+            checkpoint_s=get("checkpoint_s"),
             progress_s=30.0, served_model=served, reasoning_parser=_flag_value(flags, "--reasoning-parser"),
-            max_error_share=_float(params, "max_generate_error_share", 0.0, 1.0),
-            train_budget=(plan.train_max_length if _choice(params, "budget", ("full", "train_length")) == "train_length"
-                          else 0),
+            max_error_share=get("max_generate_error_share"),
+            train_budget=plan.train_max_length if budget == "train_length" else 0,
         )
         quality = QualitySettings(
-            empty_mask_tokens=_int(params, "empty_mask_tokens", 0, 1000),
-            max_bad_share=_float(params, "max_bad_sample_share", 0.0, 1.0),
-            max_truncated_share=_float(params, "max_truncated_share", 0.0, 1.0),
-            max_repetition=_float(params, "max_repetition_score", 0.0, 1.0),
-            max_length=_int(params, "train_max_length", 1, 10_000_000),
-            max_overlong_share=_float(params, "max_overlong_share", 0.0, 1.0),
+            empty_mask_tokens=get("empty_mask_tokens"),
+            max_bad_share=get("max_bad_sample_share"),
+            max_truncated_share=get("max_truncated_share"),
+            max_repetition=get("max_repetition_score"),
+            max_length=get("train_max_length"),
+            max_overlong_share=get("max_overlong_share"),
         )
-        capacity = CapacitySettings(calibration_prompts=_int(params, "calibration_prompts", 0, 100_000),
-                                    apply_advised_concurrency=_bool(params, "apply_advised_concurrency"))
-        extra = params.get("autotune_candidates") or []
-        if not isinstance(extra, list) or not all(isinstance(x, str) for x in extra):
-            raise _fail("autotune_candidates", extra, "must be a list of flag sets, e.g. "
-                        '["--max-running-requests 24", "--kv-cache-dtype fp8_e4m3"]')
-        for flags in extra:
-            for flag, _ in parse_flags(flags):
-                if flag in {"--model-path", "--model", "--host", "--port", "--api-key"}:
-                    raise _fail("autotune_candidates", flags, f"{flag} is set by the launcher (per server); remove it")
-        autotune = AutotuneSettings(mode=_choice(params, "autotune", ("off", "advise", "apply")),
-                                    candidate_s=_float(params, "autotune_candidate_s", 1, 86_400),
-                                    budget_s=_float(params, "autotune_budget_s", 1, 7 * 86_400),
+        capacity = CapacitySettings(calibration_prompts=get("calibration_prompts"),
+                                    apply_advised_concurrency=get("apply_advised_concurrency"))
+        extra = get("autotune_candidates")
+        for candidate in extra:
+            _server_flags(candidate, "autotune_candidates")
+        autotune = AutotuneSettings(mode=get("autotune"), candidate_s=get("autotune_candidate_s"),
+                                    budget_s=get("autotune_budget_s"),
                                     extra=tuple(x.strip() for x in extra if x.strip()))
-        dataset_name = _str(params, "dataset_name")
-        if not _DATASET_NAME.fullmatch(dataset_name):
-            raise _fail("dataset_name", dataset_name, "must be letters, digits, '.', '_' or '-' (no '/' or '..'), "
-                        "starting with a letter or digit")
         return cls(run_id=safe_run_id(run_id), output_root=output_root, model_source=model_source,
                    staging_dir=staging_dir, fleet=fleet, sampling=sampling, prompt_source=prompt_source,
                    plan=plan, generation=generation, quality=quality, capacity=capacity,
-                   mask_reasoning=_bool(params, "mask_reasoning"), dataset_name=dataset_name, params=dict(params),
-                   node=node, autotune=autotune, budget=_choice(params, "budget", ("full", "train_length")))
+                   mask_reasoning=get("mask_reasoning"), dataset_name=get("dataset_name"), node=node,
+                   autotune=autotune, budget=budget)

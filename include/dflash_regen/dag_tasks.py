@@ -98,12 +98,20 @@ def write_report(cfg: RunConfig, name: str, report: dict) -> Path:
     return path
 
 
-def _servers(cfg: RunConfig) -> tuple[list[fleet.Server], str]:
-    servers = fleet.load_servers(cfg.fleet_dir)
+def _servers(cfg: RunConfig, launched: dict) -> tuple[list[fleet.Server], str]:
+    """The servers of the fleet `launch_fleet` returned, as its folder records them now (autotune may have
+    relaunched them), and its API key."""
+    fleet_dir = Path(launched["fleet_dir"])
+    servers = fleet.load_servers(fleet_dir)
     if len(servers) != cfg.fleet.num_servers:
-        raise GateFailed(f"{cfg.fleet_dir} records {len(servers)} servers, expected {cfg.fleet.num_servers}; "
+        raise GateFailed(f"{fleet_dir} records {len(servers)} servers, expected {cfg.fleet.num_servers}; "
                          "re-run launch_fleet")
-    return servers, fleet.read_api_key(cfg.fleet_dir)
+    return servers, fleet.read_api_key(fleet_dir)
+
+
+def _accepted(shards: list[dict]) -> int:
+    """The run's accepted prompts: every planned shard's."""
+    return sum(s["prompts"] for s in shards)
 
 
 @fail_fast
@@ -172,9 +180,9 @@ def launch_fleet(params: dict, run_id: str, model_path: str, node: dict | None =
 
 @leave_out_node
 @fail_fast
-def health_check(params: dict, run_id: str, node: dict | None = None) -> dict:
+def health_check(params: dict, run_id: str, launched: dict, node: dict | None = None) -> dict:
     cfg = _cfg(params, run_id, node)
-    servers, key = _servers(cfg)
+    servers, key = _servers(cfg, launched)
     try:
         report = probes.health_gate(servers, key, cfg.fleet)
     except GateFailed as exc:
@@ -186,11 +194,11 @@ def health_check(params: dict, run_id: str, node: dict | None = None) -> dict:
 
 @leave_out_node
 @fail_fast
-def smoke_test(params: dict, run_id: str, node: dict | None = None) -> dict:
+def smoke_test(params: dict, run_id: str, launched: dict, node: dict | None = None) -> dict:
     cfg = _cfg(params, run_id, node)
-    servers, key = _servers(cfg)
+    servers, key = _servers(cfg, launched)
     try:
-        report = smoke.smoke_gate(servers, key, cfg.sampling, cfg.fleet.served_model_name)
+        report = smoke.smoke_gate(servers, key, cfg.sampling, cfg.fleet)
     except GateFailed as exc:
         write_report(cfg, "smoke", {"passed": False, "error": str(exc)})
         raise
@@ -200,7 +208,7 @@ def smoke_test(params: dict, run_id: str, node: dict | None = None) -> dict:
 
 @leave_out_node
 @fail_fast
-def autotune_fleet(params: dict, run_id: str, model_path: str, node: dict | None = None) -> dict:
+def autotune_fleet(params: dict, run_id: str, model_path: str, shards: list[dict], node: dict | None = None) -> dict:
     """Try server settings on the first GPU, report (`reports/autotune.json`), and with `apply` relaunch the
     fleet with the fastest; the fleet is re-gated (health + smoke) either way, since tuning took its first GPU."""
     cfg = _cfg(params, run_id, node)
@@ -211,7 +219,6 @@ def autotune_fleet(params: dict, run_id: str, model_path: str, node: dict | None
     if not cfg.capacity.calibration_prompts:
         log.info("autotune skipped: it measures with calibration's sample and Param calibration_prompts is 0")
         return {"mode": settings.mode, "skipped": "calibration_prompts is 0"}
-    plan = json.loads(cfg.layout.plan.read_text())
     print_ = autotune.fingerprint(cfg, settings.candidate_s, list(settings.extra))
     report = autotune.read_report(cfg.node_reports_dir)
     reused = bool(report and report.get("fingerprint") == print_ and report.get("candidates"))
@@ -219,7 +226,7 @@ def autotune_fleet(params: dict, run_id: str, model_path: str, node: dict | None
         log.info("autotune: reusing reports/autotune.json from an earlier attempt (same settings)")
     else:
         try:
-            report = autotune.tune(cfg, Path(model_path), plan["shards"], plan["accepted"],
+            report = autotune.tune(cfg, Path(model_path), shards, _accepted(shards),
                                    candidate_s=settings.candidate_s, budget_s=settings.budget_s,
                                    extra=list(settings.extra))
         except capacity.TooFewPrompts as exc:  # the fleet still runs: nothing was stopped
@@ -228,8 +235,7 @@ def autotune_fleet(params: dict, run_id: str, model_path: str, node: dict | None
         report["fingerprint"] = print_
     winner = next((r for r in report["candidates"] if r.get("chosen")), None)
     flags = winner["flags"] if settings.mode == "apply" and winner else ""
-    run_cfg = autotune.Tuner(cfg, Path(model_path), [], 0).candidate_cfg(autotune.Candidate("fleet", flags)) \
-        if flags else cfg
+    run_cfg = cfg.with_extra_flags(flags) if flags else cfg
     report.update(mode=settings.mode, applied_flags=flags,
                   action=(f"fleet relaunched with {winner['candidate']}: {flags}" if flags else
                           "fleet relaunched with the run's own flags" +
@@ -244,7 +250,7 @@ def autotune_fleet(params: dict, run_id: str, model_path: str, node: dict | None
     key = fleet.read_api_key(cfg.fleet_dir)
     try:
         write_report(cfg, "health", probes.health_gate(servers, key, run_cfg.fleet))
-        write_report(cfg, "smoke", smoke.smoke_gate(servers, key, run_cfg.sampling, run_cfg.fleet.served_model_name))
+        write_report(cfg, "smoke", smoke.smoke_gate(servers, key, run_cfg.sampling, run_cfg.fleet))
     except GateFailed:
         fleet.stop_fleet(cfg.fleet_dir)
         raise
@@ -256,23 +262,23 @@ def autotune_fleet(params: dict, run_id: str, model_path: str, node: dict | None
 
 @leave_out_node
 @fail_fast
-def calibrate(params: dict, run_id: str, node: dict | None = None) -> dict:
+def calibrate(params: dict, run_id: str, launched: dict, shards: list[dict], node: dict | None = None) -> dict:
     """Measure one server on the run's prompts, advise, predict; `reports/capacity.json`."""
     cfg = _cfg(params, run_id, node)
     if not cfg.capacity.calibration_prompts:
         log.info("calibration skipped (Param calibration_prompts = 0)")
         return {"calibrated": False}
-    servers, key = _servers(cfg)
+    servers, key = _servers(cfg, launched)
     health = json.loads(cfg.layout.node_report("health").read_text())
-    plan = json.loads(cfg.layout.plan.read_text())
-    healthy = generation.healthy_servers(cfg.fleet_dir, servers)
-    shape = capacity.RunShape(prompts=plan["accepted"], servers=len(healthy), shard_size=cfg.plan.shard_size,
+    fleet_dir = Path(launched["fleet_dir"])
+    healthy = generation.healthy_servers(fleet_dir, servers)
+    shape = capacity.RunShape(prompts=_accepted(shards), servers=len(healthy), shard_size=cfg.plan.shard_size,
                               concurrency_per_server=cfg.generation.in_flight)
-    with fleet.lease(cfg.fleet_dir, healthy, 0, wait_s=cfg.fleet.ready_timeout_s) as server:
+    with fleet.lease(fleet_dir, healthy, 0, wait_s=cfg.fleet.ready_timeout_s) as server:
         tuned = autotune.applied_flags(cfg.node_reports_dir)  # the fleet runs the autotuned flags on top
-        flags = " ".join(x for x in (cfg.params.get("server_flags") or "", tuned or "") if x)
+        flags = " ".join(x for x in (cfg.fleet.server_flags, tuned or "") if x)
         try:
-            report = capacity.calibrate(server, key, health, plan["shards"], cfg.generation, shape,
+            report = capacity.calibrate(server, key, health, shards, cfg.generation, shape,
                                         prompts=cfg.capacity.calibration_prompts, server_flags=flags,
                                         train_max_length=cfg.plan.train_max_length)
         except capacity.TooFewPrompts as exc:  # a run this small is over before a prediction would help
@@ -280,7 +286,7 @@ def calibrate(params: dict, run_id: str, node: dict | None = None) -> dict:
             return {"calibrated": False}
         except capacity.CapacityError as exc:
             if not fleet.is_alive(server):  # so the retry measures another server, as a shard's would
-                fleet.mark_unhealthy(cfg.fleet_dir, server, str(exc))
+                fleet.mark_unhealthy(fleet_dir, server, str(exc))
             raise
     write_report(cfg, "capacity", report)
     log.info("capacity plan (reports/capacity.json):\n%s", capacity.format_table(report))
@@ -301,9 +307,8 @@ def node_ready(params: dict, run_id: str, calibrated: dict, node: dict) -> dict:
     return ready
 
 
-def stop_fleet(params: dict, run_id: str, node: dict | None = None) -> list[str]:
-    cfg = _cfg(params, run_id, node)
-    return fleet.stop_fleet(cfg.fleet_dir)
+def stop_fleet(launched: dict) -> list[str]:
+    return fleet.stop_fleet(Path(launched["fleet_dir"]))
 
 
 @fail_fast
@@ -374,11 +379,10 @@ def tokenize_shard(params: dict, run_id: str, generated: dict, node: dict | None
 
 
 @fail_fast
-def validate(params: dict, run_id: str) -> dict:
+def validate(params: dict, run_id: str, shards: list[dict]) -> dict:
     cfg = RunConfig.from_params(params, run_id)
-    plan = json.loads(cfg.layout.plan.read_text())
     rejected = sum(pq.read_metadata(p).num_rows for p in cfg.layout.merged_files(FAILURES))
-    report = quality.validate_run(cfg.layout, plan["accepted"] - rejected, cfg.quality, cfg.layout.data_docs)
+    report = quality.validate_run(cfg.layout, _accepted(shards) - rejected, cfg.quality, cfg.layout.data_docs)
     write_report(cfg, "quality", report)
     if not report["success"]:
         failed = [f"{e['expectation']} {e['kwargs'].get('column', '')}: observed {e['observed']}"
@@ -407,7 +411,7 @@ def publish_dataset(params: dict, run_id: str) -> dict:
     if not report["success"]:
         raise GateFailed("the quality report says the gate failed; refusing to publish")
     publish.clean_stale_tmp(cfg.publish_dir.parent)
-    config = {k: v for k, v in cfg.params.items() if k not in {"emulator_faults"}}
+    config = {k: v for k, v in params.items() if k not in {"emulator_faults"}}
     manifest = publish.publish_run(cfg.layout, cfg.publish_dir, plan, report, config, cfg.staging_dir,
                                    nodes=nodes.split_report(cfg.layout))  # several nodes: what each did
     return {"path": str(cfg.publish_dir), "samples": manifest["counts"]["published"],

@@ -322,7 +322,7 @@ def generate_shard(paths: ShardPaths, server: Server, api_key: str, settings: Ge
                             table.num_rows, status) from None
     if settings.train_budget:
         _count_prompt_tokens(todo)
-    too_long = _too_long(todo, server, context, settings.max_tokens)
+    too_long = _too_long(todo, server, context, settings.sampling.max_tokens)
     todo = [row for row in todo if row["sample_id"] not in too_long]
     in_flight = settings.in_flight or slots
     log.info("shard %d on %s: %d prompts, %d done before, %d quarantined before, %d to send, %d in flight",

@@ -38,7 +38,7 @@ def sample_seed(sample_id: str, run_seed: int) -> int:
 
 def chat_payload(messages: list[dict], tools: list[dict] | None, settings: GenerationSettings, seed: int,
                  max_tokens: int) -> dict:
-    return sglang.chat_payload(messages, tools, settings, model=settings.served_model, max_tokens=max_tokens,
+    return sglang.chat_payload(messages, tools, settings.sampling, model=settings.served_model, max_tokens=max_tokens,
                                seed=seed)
 
 
@@ -146,22 +146,22 @@ class Generator:
             # Regenerate every assistant turn in order from the model's own earlier answers.
             for msg in messages:
                 if msg["role"] == "assistant":
-                    result, _, _ = self._request(chat_payload(history, tools, s, seed, s.max_tokens))
+                    result, _, _ = self._request(chat_payload(history, tools, s, seed, s.sampling.max_tokens))
                     turns.append(_turn(result))
                     history.append({"role": "assistant", "content": result.content,
                                     **({"tool_calls": result.tool_calls} if result.tool_calls else {})})
                 else:
                     history.append(msg)
             targets = history
-        max_tokens = s.max_tokens
+        max_tokens = s.sampling.max_tokens
         if s.train_budget:  # what the trainer reads: train_max_length - this prompt's tokens (planning's count)
             room = s.train_budget - (sample.get("prompt_tokens") or 0) - TRAIN_BUDGET_RESERVE
-            max_tokens = max(1, min(s.max_tokens, room))
+            max_tokens = max(1, min(s.sampling.max_tokens, room))
         result, attempt, served_by = self._request(chat_payload(targets, tools, s, seed, max_tokens))
-        at_train_length = result.finish_reason == "length" and max_tokens < s.max_tokens
+        at_train_length = result.finish_reason == "length" and max_tokens < s.sampling.max_tokens
         if s.retry_truncated and not at_train_length and (result.finish_reason == "length"
                                                           or not (result.content or result.tool_calls)):
-            max_tokens = 2 * s.max_tokens
+            max_tokens = 2 * s.sampling.max_tokens
             result, extra, served_by = self._request(chat_payload(targets, tools, s, seed, max_tokens))
             attempt += extra
         turns.append(_turn(result))
@@ -173,8 +173,9 @@ class Generator:
             "finish_reason": result.finish_reason, "prompt_tokens": usage.get("prompt_tokens"),
             "completion_tokens": usage.get("completion_tokens"), "reasoning_tokens": sglang.reasoning_tokens(usage),
             "latency_s": result.latency_s, "finished_at": time.time(), "attempt": attempt, "max_tokens": max_tokens,
-            "temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k, "min_p": s.min_p,
-            "presence_penalty": s.presence_penalty, "seed": seed, "enable_thinking": s.enable_thinking,
+            "temperature": s.sampling.temperature, "top_p": s.sampling.top_p, "top_k": s.sampling.top_k,
+            "min_p": s.sampling.min_p, "presence_penalty": s.sampling.presence_penalty, "seed": seed,
+            "enable_thinking": s.sampling.enable_thinking,
             "served_model": s.served_model, "model_revision": self.model_revision,
             "reasoning_parser": s.reasoning_parser,
             "think_marker_leak": any(m in (result.content or "") for m in THINK_MARKERS),

@@ -11,7 +11,6 @@
       quality/          quarantine.parquet                                          (schemas.GATE_QUARANTINE)
       reports/          <name>.json, data_docs/, nodes/<node>/<name>.json
       autotune/[<node>/] candidate-<i>/ (a one-server fleet directory each)
-      final/            shard-XXXXX.parquet, conversations-XXXXX.jsonl (the kept samples, before publish)
 
 With several nodes the fleet, its reports and its autotune candidates are per node (`node`); everything
 else is per run. No other module spells these names: a stage, a report page or a test asks the layout.
@@ -223,21 +222,11 @@ class RunLayout:
     def summary_files(self) -> list[Path]:
         return sorted(self.tokenized_dir.glob("summary-*.parquet"))
 
-    # ---------------------------------------------------------------------------------- quality, final
+    # ----------------------------------------------------------------------------------------- quality
     @property
     def gate_quarantine(self) -> Path:
         """quality/quarantine.parquet: the samples the quality gate's row rules refused."""
         return self.run_dir / "quality" / "quarantine.parquet"
-
-    @property
-    def final_dir(self) -> Path:
-        return self.run_dir / "final"
-
-    def final_tokenized(self, shard: int) -> Path:
-        return self.final_dir / f"{shard_name(shard)}.parquet"
-
-    def final_conversations(self, shard: int) -> Path:
-        return self.final_dir / f"conversations-{shard:05d}.jsonl"
 
     # -------------------------------------------------------------------------------------- reports
     @property

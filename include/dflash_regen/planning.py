@@ -38,7 +38,7 @@ def shard_label(index: int, prompts: int) -> str:
 
 
 def fingerprint(source: Path, settings: PlanSettings) -> str:
-    h = hashlib.sha256(json.dumps(settings.__dict__, sort_keys=True).encode())
+    h = hashlib.sha256(json.dumps(settings.record(), sort_keys=True).encode())
     for path in source_files(source):
         st = path.stat()
         h.update(f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}\n".encode())
@@ -71,9 +71,9 @@ def plan_shards(source: Path, layout: RunLayout, settings: PlanSettings) -> dict
         if plan.get("fingerprint") == print_ and all(Path(s["path"]).is_file() for s in plan["shards"]):
             log.info("input unchanged since planning: reusing %d shards", len(plan["shards"]))
             return plan
-    budget = settings.context_length - settings.max_tokens
+    budget = settings.context_length - settings.sampling.max_tokens
     if budget <= 0:
-        raise PlanFailed(f"max_tokens {settings.max_tokens:,} leaves no room for a prompt in context_length "
+        raise PlanFailed(f"max_tokens {settings.sampling.max_tokens:,} leaves no room for a prompt in context_length "
                          f"{settings.context_length:,}; lower max_tokens or raise context_length")
     counter = TokenCounter()
     seen: set[int] = set()
@@ -121,7 +121,8 @@ def plan_shards(source: Path, layout: RunLayout, settings: PlanSettings) -> dict
         tokens = counter.count(row) if settings.count_tokens or row.text_bytes + 64 >= limit else None
         if tokens is not None and tokens >= budget:
             rejected.append(Rejection(location, "too_long", f"{tokens:,} prompt tokens + max_tokens "
-                                      f"{settings.max_tokens:,} exceed context_length {settings.context_length:,}",
+                                      f"{settings.sampling.max_tokens:,} exceed context_length "
+                                      f"{settings.context_length:,}",
                                       row.sample_id))
             continue
         if settings.train_max_length and tokens is not None and tokens >= settings.train_max_length:
@@ -152,7 +153,7 @@ def plan_shards(source: Path, layout: RunLayout, settings: PlanSettings) -> dict
     plan = {"fingerprint": print_, "source": str(source), "rows": total, "accepted": accepted,
             "quarantined": len(rejected), "quarantined_by_reason": by_reason, "shards": shards,
             "formats": formats, "repairs": dict(sorted(repairs.items())),
-            "files": len(files), "skipped_files": [str(p) for p in docs], "settings": settings.__dict__}
+            "files": len(files), "skipped_files": [str(p) for p in docs], "settings": settings.record()}
     share = len(rejected) / total if total else 1.0
     if total == 0:
         what = "the file is empty" if len(files) == 1 else f"its {len(files)} files are empty"

@@ -1,8 +1,10 @@
 """Publish a validated run atomically: `published/<name>/<version>/` appears complete or not at all.
 
-Everything is written into a hidden temporary directory beside the target and renamed into place at the
-end (a rename within one filesystem is atomic). A version that already exists is left alone, so a rerun
-of `publish` after a crash publishes once. Contents:
+The version is built in a hidden temporary directory beside the target and renamed into place at the end (a
+rename within one filesystem is atomic). A tokenized shard with nothing to leave out is hard-linked in (copied
+only when the run folder is on another filesystem, which the log says), so the dataset is not stored twice;
+only the shards that hold samples the quality gate quarantined are rewritten. A version that already exists is
+left alone, so a rerun of `publish` after a crash publishes once. Contents:
 - `conversations.jsonl`: SpecForge's online-training format (`{"id", "conversations": [...]}`);
 - `tokenized/part-XXXXX.parquet`: `sample_id`, `input_ids` list<int32>, `loss_mask` list<int8>, `n_tokens`,
   `loss_mask_sum` (loadable with `datasets.load_dataset("parquet", data_dir=...)`);
@@ -12,17 +14,18 @@ of `publish` after a crash publishes once. Contents:
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
 import shutil
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from dflash_regen import atomic
 from dflash_regen.errors import PublishRefused
 from dflash_regen.layout import COMPLETIONS, FAILURES, RunLayout, shard_of
 
@@ -56,8 +59,18 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def publish(dest: Path, conversations: list[Path], tokenized: list[Path], manifest: dict, card: str) -> Path:
-    """Copy the run's final files into `dest` atomically; returns `dest` (existing versions are kept)."""
+@dataclass(frozen=True)
+class Part:
+    """One tokenized shard of the run: its parquet, its SpecForge conversations, the sample ids to leave out."""
+
+    tokens: Path
+    conversations: Path
+    drop: frozenset[str] = frozenset()
+
+
+def publish(dest: Path, parts: list[Part], manifest: dict, card: str) -> Path:
+    """Build the version from the run's tokenized shards and rename it into `dest`; returns `dest` (existing
+    versions are kept)."""
     if dest.exists():
         log.info("%s is already published: leaving it as it is", dest)
         return dest
@@ -66,16 +79,19 @@ def publish(dest: Path, conversations: list[Path], tokenized: list[Path], manife
     tmp.mkdir()
     try:
         with open(tmp / "conversations.jsonl", "wb") as out:
-            for path in conversations:
-                with open(path, "rb") as f:
-                    shutil.copyfileobj(f, out)
+            for part in parts:
+                _append_conversations(out, part)
             out.flush()
             os.fsync(out.fileno())
         (tmp / "tokenized").mkdir()
-        rows = 0
-        for i, path in enumerate(tokenized):
-            shutil.copyfile(path, tmp / "tokenized" / f"part-{i:05d}.parquet")
-            rows += pq.read_metadata(path).num_rows
+        rows, how = 0, {"hard-linked": 0, "rewritten": 0, "copied": 0}
+        for i, part in enumerate(parts):
+            target = tmp / "tokenized" / f"part-{i:05d}.parquet"
+            how[_place_tokens(part, target)] += 1
+            rows += pq.read_metadata(target).num_rows
+        if how["copied"]:
+            log.warning("%d tokenized shards copied, not hard-linked: %s is on another filesystem than %s, so the "
+                        "dataset is stored twice there", how["copied"], dest.parent, parts[0].tokens.parent)
         if rows != manifest["counts"]["published"]:
             raise PublishRefused(f"tokenized files hold {rows} rows but the manifest says "
                              f"{manifest['counts']['published']}: refusing to publish an inconsistent version")
@@ -87,8 +103,48 @@ def publish(dest: Path, conversations: list[Path], tokenized: list[Path], manife
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    log.info("published %s (%d samples)", dest, manifest["counts"]["published"])
+    log.info("published %s (%d samples; tokenized shards: %s)", dest, manifest["counts"]["published"],
+             ", ".join(f"{n} {k}" for k, n in how.items() if n))
     return dest
+
+
+def _place_tokens(part: Part, target: Path) -> str:
+    """The shard's parquet as the version's part: filtered when it holds samples to leave out, else the run's
+    own file hard-linked (tokenize writes it as this would rewrite it, byte for byte), copied across filesystems."""
+    if part.drop:
+        import pyarrow.compute as pc
+
+        table = pq.read_table(part.tokens)
+        keep = pc.invert(pc.is_in(table.column("sample_id"), pa.array(sorted(part.drop), pa.string())))
+        pq.write_table(table.filter(keep), target)
+        return "rewritten"
+    try:
+        os.link(part.tokens, target)
+        return "hard-linked"
+    except OSError as exc:
+        if exc.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP):
+            raise
+    shutil.copyfile(part.tokens, target)
+    return "copied"
+
+
+def _append_conversations(out, part: Part) -> None:
+    """The shard's conversation lines as they are, those of left-out samples dropped (only their ids are read)."""
+    with open(part.conversations, "rb") as f:
+        if not part.drop:
+            shutil.copyfileobj(f, out)
+            return
+        for line in f:
+            if _record_id(line) not in part.drop:
+                out.write(line)
+
+
+def _record_id(line: bytes) -> str:
+    """A SpecForge record's id without parsing the record: `specforge_record` puts `id` first."""
+    text = line.decode()
+    if text.startswith('{"id": "'):
+        return json.decoder.scanstring(text, len('{"id": "'))[0]
+    return json.loads(text)["id"]
 
 
 def clean_stale_tmp(parent: Path) -> list[Path]:
@@ -155,26 +211,15 @@ def _reasons(paths: list[Path]) -> dict[str, int]:
 
 def publish_run(layout: RunLayout, dest: Path, plan: dict, quality: dict, config: dict, model_dir: Path,
                 nodes: dict | None = None) -> dict:
-    """Filter the run's tokenized shards and conversations to the kept samples, then publish atomically."""
-    import pyarrow.compute as pc
-
+    """The run's tokenized shards and conversations, less the samples the quality gate quarantined, published
+    atomically with their manifest and card."""
     dropped = _ids(layout.gate_quarantine)
-    layout.final_dir.mkdir(parents=True, exist_ok=True)
-    tokenized, conversations = [], []
-    published = 0
+    parts, published = [], 0
     for path in layout.tokenized_files():
-        shard = shard_of(path)
-        table = pq.read_table(path)
-        table = table.filter(pc.invert(pc.is_in(table.column("sample_id"), pa.array(sorted(dropped), pa.string()))))
-        out = layout.final_tokenized(shard)
-        atomic.write_table(table, out)
-        tokenized.append(out)
-        published += table.num_rows
-        lines = layout.conversations(shard).read_text().splitlines()
-        kept = [line for line in lines if json.loads(line)["id"] not in dropped]
-        conv = layout.final_conversations(shard)
-        atomic.write_lines(conv, kept)
-        conversations.append(conv)
+        ids = pq.read_table(path, columns=["sample_id"]).column("sample_id").to_pylist()
+        drop = frozenset(dropped.intersection(ids))
+        parts.append(Part(path, layout.conversations(shard_of(path)), drop))
+        published += len(ids) - len(drop)
 
     failure_files = layout.failure_files()
     by_reason = _reasons(failure_files)
@@ -223,5 +268,5 @@ def publish_run(layout: RunLayout, dest: Path, plan: dict, quality: dict, config
     }
     if nodes:  # a run on several nodes: shards, prompts, predicted and measured time per node
         manifest["nodes"] = nodes
-    publish(dest, conversations, tokenized, manifest, dataset_card(dest.parent.name, dest.name, manifest))
+    publish(dest, parts, manifest, dataset_card(dest.parent.name, dest.name, manifest))
     return manifest

@@ -12,24 +12,14 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from dataclasses import dataclass
 from pathlib import Path
 
 from dflash_regen import atomic, schemas
+from dflash_regen.config import QualitySettings
 from dflash_regen.errors import GateFailed
 from dflash_regen.layout import FAILURES, RunLayout
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class QualitySettings:
-    empty_mask_tokens: int = 6  # the seed's empty answer: </think> \n\n OK . <|im_end|> \n
-    max_bad_share: float = 0.02  # share of samples the row rules may quarantine
-    max_truncated_share: float = 0.05
-    max_repetition: float = 0.5  # share of repeated 8-grams in the reasoning
-    max_length: int = 4096  # SpecForge's Qwen3.6-27B recipe trains at 4096
-    max_overlong_share: float = 0.1
 
 
 def repetition_score(text: str | None, n: int = 8) -> float:

@@ -43,11 +43,13 @@ latency, attempt count and sampling params, flags for a leaked `<think>` marker 
 assistant turn of a tool-call round (JSON text), and whether Param budget train_length cut it."""
 
 TOKENIZED = pa.schema([
-    ("sample_id", pa.string()), ("input_ids", pa.list_(pa.int32())), ("loss_mask", pa.list_(pa.int8())),
-    ("n_tokens", pa.int32()), ("loss_mask_sum", pa.int32()),
+    ("sample_id", pa.string()), ("input_ids", pa.list_(pa.field("element", pa.int32()))),
+    ("loss_mask", pa.list_(pa.field("element", pa.int8()))), ("n_tokens", pa.int32()), ("loss_mask_sum", pa.int32()),
 ])
-"""A training sample (`tokenized/shard-XXXXX.parquet`, `final/` and the published `tokenized/part-XXXXX.parquet`):
-ids of the model's chat template and SpecForge's `qwen3.5` loss mask (1 = supervised), with their counts."""
+"""A training sample (`tokenized/shard-XXXXX.parquet` and the published `tokenized/part-XXXXX.parquet`, the same
+file hard-linked when nothing of its shard was quarantined): ids of the model's chat template and SpecForge's
+`qwen3.5` loss mask (1 = supervised), with their counts. List items are named as a parquet round trip names them
+("element"), so a file publish rewrites is byte for byte one it links."""
 
 SUMMARY = pa.schema([
     ("sample_id", pa.string()), ("n_tokens", pa.int32()), ("mask_len", pa.int32()),

@@ -12,7 +12,7 @@ import logging
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 
-from dflash_regen.config import SamplingConfig
+from dflash_regen.config import FleetConfig, SamplingConfig
 from dflash_regen.errors import GateFailed, PromptError, TransientError
 from dflash_regen.fleet import Server
 from dflash_regen.sglang import Api, chat_payload, reasoning_tokens, with_retries
@@ -108,7 +108,7 @@ def judge(spec: dict, body: dict, sampling: SamplingConfig) -> str:
 
 
 def smoke_one(server: Server, api_key: str, prompt: str, spec: dict, sampling: SamplingConfig,
-              served_model: str) -> SmokeResult:
+              served_model: str, timeout_s: float) -> SmokeResult:
     result = SmokeResult(server=server.name, prompt=prompt)
     payload = chat_payload(spec["messages"], spec.get("tools"), sampling, model=served_model,
                            max_tokens=sampling.max_tokens, seed=0)
@@ -116,7 +116,7 @@ def smoke_one(server: Server, api_key: str, prompt: str, spec: dict, sampling: S
     # A transient 5xx or reset is retried (SGLang answers 503 when its queue is full); a server that keeps
     # failing, or any 4xx, fails the gate.
     try:
-        body, result.latency_s = with_retries(lambda: api.chat(payload, sampling.smoke_timeout_s), SMOKE_ATTEMPTS)
+        body, result.latency_s = with_retries(lambda: api.chat(payload, timeout_s), SMOKE_ATTEMPTS)
     except TransientError as exc:
         result.problem = f"{exc} (in {SMOKE_ATTEMPTS} attempts); the server is down or wedged; log: {server.log_path}"
         return result
@@ -149,11 +149,13 @@ def format_table(smokes: list[ServerSmoke]) -> str:
     return "\n".join(rows)
 
 
-def smoke_gate(servers: list[Server], api_key: str, sampling: SamplingConfig, served_model: str) -> dict:
-    """Every prompt on every server, in parallel; raise `GateFailed` naming each failing server."""
+def smoke_gate(servers: list[Server], api_key: str, sampling: SamplingConfig, fleet: FleetConfig) -> dict:
+    """Every prompt on every server, in parallel (the fleet's served model name and smoke timeout); raise
+    `GateFailed` naming each failing server."""
     jobs = [(s, name, spec) for s in servers for name, spec in PROMPTS.items()]
     with ThreadPoolExecutor(max_workers=len(jobs)) as pool:
-        results = list(pool.map(lambda j: smoke_one(j[0], api_key, j[1], j[2], sampling, served_model), jobs))
+        results = list(pool.map(lambda j: smoke_one(j[0], api_key, j[1], j[2], sampling, fleet.served_model_name,
+                                                    fleet.smoke_timeout_s), jobs))
     by_server = {s.name: ServerSmoke(s.name) for s in servers}
     for r in results:
         by_server[r.server].results.append(r)

@@ -72,13 +72,14 @@ def _tokens_table(sample_ids: list[str], summary: list[dict], tokenized: list[tu
     lengths = np.array([len(ids) for ids, _ in tokenized], dtype=np.int32)
     offsets = pa.array(np.concatenate(([0], np.cumsum(lengths))).astype(np.int32))
 
-    def column(values: list[np.ndarray], dtype: np.dtype) -> pa.ListArray:
+    def column(values: list[np.ndarray], name: str, dtype: np.dtype) -> pa.ListArray:
         flat = np.concatenate(values) if values else np.array([], dtype=dtype)
-        return pa.ListArray.from_arrays(offsets, pa.array(flat.astype(dtype, copy=False)))
+        return pa.ListArray.from_arrays(offsets, pa.array(flat.astype(dtype, copy=False)),
+                                        type=TOKENIZED.field(name).type)
 
     return pa.Table.from_arrays([
-        pa.array(sample_ids, pa.string()), column([ids for ids, _ in tokenized], np.int32),
-        column([mask for _, mask in tokenized], np.int8), pa.array(lengths, pa.int32()),
+        pa.array(sample_ids, pa.string()), column([ids for ids, _ in tokenized], "input_ids", np.int32),
+        column([mask for _, mask in tokenized], "loss_mask", np.int8), pa.array(lengths, pa.int32()),
         pa.array([r["loss_mask_sum"] for r in summary], pa.int32()),
     ], schema=TOKENIZED)
 

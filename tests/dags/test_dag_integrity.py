@@ -8,6 +8,7 @@ from airflow.dag_processing.dagbag import DagBag
 from airflow.sdk.exceptions import ParamValidationError
 
 from dflash_regen.config import RunConfig
+from dflash_regen.params import SPECS
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -53,6 +54,21 @@ def test_clearing_one_shard_reruns_the_fleet_setups_and_teardown_but_not_plannin
     assert generate.retries >= 2 and generate.retry_exponential_backoff == 2.0
 
 
+def test_each_shard_is_tokenized_as_soon_as_its_own_generate_ends(dag):
+    """generate and tokenize are one mapped task group: Airflow gives tokenize[i] generate[i] alone as its upstream
+    (and clears them together), so one failed shard does not hold back the tokenizing of the others."""
+    generate, tokenize = dag.get_task("generate"), dag.get_task("tokenize")
+    group = generate.get_closest_mapped_task_group()
+    assert group is not None and tokenize.get_closest_mapped_task_group() is group
+    assert tokenize.upstream_task_ids == {"generate"}
+    # their map index labels render from their keyword arguments (a positional one is not in the template context)
+    assert "shard" in generate.op_kwargs and "generated" in tokenize.op_kwargs
+    assert group.upstream_task_ids == {"plan_shards"}  # it maps over the planned shards
+    # the teardown waits for generation, not for tokenizing
+    assert "tokenize" not in dag.get_task("stop_fleet").get_flat_relative_ids(upstream=True)
+    assert generate.max_active_tis_per_dagrun >= 1
+
+
 def test_fleet_gates_are_setup_tasks_and_stop_is_the_teardown(dag):
     """Clearing a later task re-runs setups, not ordinary upstream tasks: the gates must be setups."""
     tasks = {t.task_id: t for t in dag.tasks}
@@ -91,6 +107,14 @@ def test_every_param_has_a_title_a_section_and_a_description(dag):
         assert param.description and len(param.description) > 20, name
 
 
+def test_every_param_is_built_from_the_spec_table(dag):
+    """One declaration per Param (dflash_regen/params.py): the form's schema is the one config validates against."""
+    assert list(dag.params) == [name for name, spec in SPECS.items() if not spec.nodes_only]
+    for name in dag.params:
+        param = dag.params.get_param(name)
+        assert (param.schema, param.description) == (SPECS[name].schema(), SPECS[name].description), name
+
+
 def test_no_number_field_has_bounds_the_form_would_clamp_to(dag):
     """The trigger form's number box clamps to a top-level minimum/maximum when it loses focus (shard_size 0
     became 1 and ran); bounds nested in allOf are enforced by Airflow's validation only, which refuses."""
@@ -105,8 +129,7 @@ def test_sampling_defaults_are_qwen3_thinking_mode_and_reach_the_config(dag):
     cfg = RunConfig.from_params(dag.params.validate(), "manual__1")
     s = cfg.sampling
     assert (s.temperature, s.top_p, s.top_k, s.min_p, s.presence_penalty) == (0.6, 0.95, 20, 0.0, 0.0)
-    g = cfg.generation
-    assert (g.top_k, g.min_p, g.presence_penalty) == (20, 0.0, 0.0)
+    assert cfg.generation.sampling is s  # generation sends the same settings the smoke test checked
 
 
 def test_optional_text_fields_can_be_left_empty_in_the_form(dag):
@@ -122,6 +145,7 @@ def test_optional_text_fields_can_be_left_empty_in_the_form(dag):
 
 BAD_VALUES = [
     ("num_servers", 99, "99 is greater than the maximum of 64"),
+    ("base_port", 65536, "65536 is greater than the maximum of 65535"),
     ("shard_size", 0, "0 is less than the minimum of 1"),
     ("shard_size", 1.5, "1.5 is not of type 'integer'"),
     ("top_k", 0, "0 is not valid under any of the given schemas"),

@@ -58,3 +58,14 @@ def test_one_node_left_out_does_not_stop_the_others(monkeypatch):
     assert dag.task_dict["assign_shards"].trigger_rule == "none_failed"
     assert dag.task_dict["validate"].trigger_rule == "none_failed_min_one_success"
     assert dag.task_dict["assign_shards"].upstream_task_ids == {"plan_shards", "rtx.node_ready", "b200.node_ready"}
+
+
+def test_each_nodes_shards_are_one_mapped_group_per_shard_on_its_queue(monkeypatch):
+    dag = parse(monkeypatch, NODES)
+    for node in ("rtx", "b200"):
+        generate, tokenize = dag.task_dict[f"{node}.generate"], dag.task_dict[f"{node}.tokenize"]
+        group = generate.get_closest_mapped_task_group()
+        assert group is not None and group.group_id == f"{node}.shard"
+        assert tokenize.get_closest_mapped_task_group() is group and tokenize.upstream_task_ids == {generate.task_id}
+        assert group.upstream_task_ids == {f"{node}.node_shards"}  # the node's own shards
+        assert tokenize.task_id not in dag.task_dict[f"{node}.stop_fleet"].get_flat_relative_ids(upstream=True)

@@ -27,7 +27,7 @@ def prepared(launch, tmp_path, prompts: int, shard_size: int, **params):
     cfg, servers, key = launch(num_servers=1, emulator_profile=PROFILE, server_flags=RUN_FLAGS, min_kv_tokens=0,
                                min_running_requests=1, calibration_prompts=32, shard_size=shard_size, **params)
     source = write_demo_prompts(tmp_path / "prompts.jsonl", prompts)
-    settings = type(cfg.plan)(shard_size=shard_size, max_tokens=cfg.plan.max_tokens,
+    settings = type(cfg.plan)(shard_size=shard_size, sampling=cfg.plan.sampling,
                               context_length=cfg.plan.context_length, max_bad_share=1.0)
     plan = plan_shards(source, cfg.layout, settings)
     dag_tasks.write_report(cfg, "health", probes.health_gate(servers, key, cfg.fleet))
@@ -46,7 +46,7 @@ def test_apply_picks_the_known_optimum_relaunches_the_fleet_with_it_and_the_run_
     assert best == "MTP off at 16" and expected[best] > 1.1 * aggregate(16)
     assert aggregate(4) > aggregate(4, speculative=False)  # MTP still pays at the current batch
 
-    result = dag_tasks.autotune_fleet(cfg.params, "test_run", str(tmp_path / "model"))
+    result = dag_tasks.autotune_fleet(launch.params, "test_run", str(tmp_path / "model"), plan["shards"])
     report = autotune.read_report(cfg.reports_dir)
     print(autotune.format_table(report))
     rows = {r["candidate"]: r for r in report["candidates"]}
@@ -72,7 +72,7 @@ def test_apply_picks_the_known_optimum_relaunches_the_fleet_with_it_and_the_run_
 
     started = time.monotonic()
     for shard in plan["shards"]:
-        done = dag_tasks.generate(cfg.params, "test_run", {**shard, "run_prompts": plan["accepted"]})
+        done = dag_tasks.generate(launch.params, "test_run", {**shard, "run_prompts": plan["accepted"]})
         assert done["completed"] == shard["prompts"]
     measured = time.monotonic() - started
     print(f"predicted {winner['wall_s']:.1f} s ({winner['wall_s_interval']}), measured {measured:.1f} s")
@@ -105,4 +105,4 @@ def test_candidates_that_crash_at_start_fail_smoke_or_run_out_of_kv_are_skipped_
     assert all("wall_s" not in r for r in rows)
     assert autotune.choose([current, *rows]) is current
     assert not [m for d in cfg.layout.autotune_dir.glob("*") for m in FleetFiles(d).unhealthy_markers()]
-    assert RunConfig.from_params(cfg.params, "test_run").autotune.mode == "advise"
+    assert RunConfig.from_params(launch.params, "test_run").autotune.mode == "advise"

@@ -29,7 +29,7 @@ def ids(shards):
 
 def planned(cfg, tmp_path, n, shard_size):
     src = write_demo_prompts(tmp_path / "prompts.jsonl", n)
-    settings = type(cfg.plan)(shard_size=shard_size, max_tokens=cfg.plan.max_tokens,
+    settings = type(cfg.plan)(shard_size=shard_size, sampling=cfg.plan.sampling,
                               context_length=cfg.plan.context_length, max_bad_share=1.0)
     return plan_shards(src, cfg.layout, settings)
 
@@ -45,7 +45,7 @@ def test_calibration_finds_the_emulators_known_curve_and_predicts_a_run_it_never
     source = other / "prompts.jsonl"
     source.parent.mkdir()
     source.write_text("".join(json.dumps({**r, "id": f"cal-{r['id']}"}) + "\n" for r in demo_rows(96, seed=1)))
-    settings = type(cfg.plan)(shard_size=96, max_tokens=cfg.plan.max_tokens, context_length=cfg.plan.context_length,
+    settings = type(cfg.plan)(shard_size=96, sampling=cfg.plan.sampling, context_length=cfg.plan.context_length,
                               max_bad_share=1.0)
     calibration_shards = plan_shards(source, RunLayout(other), settings)["shards"]
     assert not set(ids(calibration_shards)) & set(ids(plan["shards"]))
@@ -115,7 +115,7 @@ def test_a_run_can_apply_the_advised_client_concurrency_and_its_eta_uses_the_cal
     report = capacity.calibrate(servers[0], key, health, plan["shards"], cfg.generation, shape, prompts=32)
     dag_tasks.write_report(cfg, "capacity", report)
     assert report["advice"]["concurrency_per_server"] == 18
-    params = {**cfg.params, "apply_advised_concurrency": True}
+    params = {**launch.params, "apply_advised_concurrency": True}
     assert RunConfig.from_params(params, "test_run").capacity.apply_advised_concurrency
     gen_log = logging.getLogger("dflash_regen.generation")
     gen_log.addHandler(caplog.handler)  # importing Airflow stops this logger's records reaching the root

@@ -21,7 +21,7 @@ def test_healthy_fleet_passes_both_gates_and_stops_cleanly(launch):
     assert first["allocation"]["mamba_slots"] == 80 and first["binding"].startswith("Mamba slots (80 // 5")
     assert "--max-mamba-cache-size 160" in first["advice"]
     assert first["log_figures"]["kv_tokens"] == first["allocation"]["kv_tokens"]
-    report = smoke.smoke_gate(servers, key, cfg.sampling, cfg.fleet.served_model_name)
+    report = smoke.smoke_gate(servers, key, cfg.sampling, cfg.fleet)
     assert report["passed"] and len(report["servers"]) == 3
     tool = [r for s in report["servers"] for r in s["results"] if r["prompt"] == "tool_call"]
     assert all(r["tool_calls"] == 1 and r["finish_reason"] == "tool_calls" for r in tool)
@@ -65,7 +65,7 @@ def test_one_server_with_empty_content_fails_smoke_naming_it(launch):
     cfg, servers, key = launch(num_servers=2, emulator_faults={"1": {"empty_content": True}})
     probes.health_gate(servers, key, cfg.fleet)  # it is up and well allocated: only smoke can catch it
     with pytest.raises(GateFailed) as info:
-        smoke.smoke_gate(servers, key, cfg.sampling, cfg.fleet.served_model_name)
+        smoke.smoke_gate(servers, key, cfg.sampling, cfg.fleet)
     msg = str(info.value)
     assert "failed on 1 of 2 servers" in msg
     assert f"server 1 (GPU 1, 127.0.0.1:{cfg.fleet.base_port + 1}) [coding]: reasoning only" in msg
@@ -74,7 +74,7 @@ def test_one_server_with_empty_content_fails_smoke_naming_it(launch):
 def test_the_seeds_512_max_tokens_fails_smoke_with_the_raise_hint(launch):
     cfg, servers, key = launch(num_servers=2, max_tokens=512)
     with pytest.raises(GateFailed) as info:
-        smoke.smoke_gate(servers, key, cfg.sampling, cfg.fleet.served_model_name)
+        smoke.smoke_gate(servers, key, cfg.sampling, cfg.fleet)
     msg = str(info.value)
     assert "failed on 2 of 2 servers" in msg
     assert "[coding]: ran out of tokens inside its reasoning: finish_reason 'length' after 512 completion " \

@@ -27,7 +27,7 @@ def plan(cfg, tmp_path, n=40, shard_size=40, rows=None):
         write_demo_prompts(src, n)
     else:
         src.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    settings = type(cfg.plan)(shard_size=shard_size, max_tokens=cfg.plan.max_tokens,
+    settings = type(cfg.plan)(shard_size=shard_size, sampling=cfg.plan.sampling,
                               context_length=cfg.plan.context_length, max_bad_share=1.0)
     return plan_shards(src, cfg.layout, settings)
 
@@ -164,7 +164,7 @@ def test_shard_process_killed_while_checkpointing_resumes_from_its_parts(launch,
     cfg, servers, key = launch(num_servers=1, emulator_profile={"decode_tokens_per_s": 3000, "startup_s": 0.1})
     shard = plan(cfg, tmp_path, n=60, shard_size=60)["shards"][0]
     job = tmp_path / "job.json"
-    job.write_text(json.dumps({"params": cfg.params, "shard": shard, "key": key}))
+    job.write_text(json.dumps({"params": launch.params, "shard": shard, "key": key}))
     script = f"""
 import json, sys
 sys.path.insert(0, {str(Path(__file__).parent)!r})
@@ -278,9 +278,9 @@ print(json.dumps({{"generated_now": result["generated_now"], "server": server.in
 """
 
 
-def start_shard_process(cfg, key, shard, tmp_path, name, **job):
+def start_shard_process(params, key, shard, tmp_path, name, **job):
     job_file = tmp_path / f"{name}.json"
-    job_file.write_text(json.dumps({"params": cfg.params, "shard": shard, "key": key, "go": str(tmp_path / "go"),
+    job_file.write_text(json.dumps({"params": params, "shard": shard, "key": key, "go": str(tmp_path / "go"),
                                     "ready": str(tmp_path / f"{name}.ready"), **job}))
     script = SHARD_PROCESS.format(tests=str(Path(__file__).parent), job=str(job_file))
     return subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
@@ -299,7 +299,7 @@ def test_two_shard_processes_racing_on_one_shard_leave_each_sample_once(launch, 
     # sends every sample, so the checkpoint parts really hold each sample twice.
     cfg, _, key = launch(num_servers=2)
     shard = plan(cfg, tmp_path, n=24, shard_size=24)["shards"][0]
-    procs = [start_shard_process(cfg, key, shard, tmp_path, name) for name in ("a", "b")]
+    procs = [start_shard_process(launch.params, key, shard, tmp_path, name) for name in ("a", "b")]
     start_together(tmp_path, procs, ["a", "b"])
     outs = [json.loads(p.communicate(timeout=120)[0].splitlines()[-1]) for p in procs]
     assert all(p.returncode == 0 for p in procs)
@@ -312,7 +312,7 @@ def test_two_shard_processes_racing_on_one_shard_leave_each_sample_once(launch, 
 def test_a_kill_between_merge_and_unlink_leaves_duplicates_the_retry_removes(launch, tmp_path):
     cfg, _, key = launch(num_servers=1)
     shard = plan(cfg, tmp_path, n=12, shard_size=12)["shards"][0]
-    proc = start_shard_process(cfg, key, shard, tmp_path, "a", die_on_part_unlink=True)
+    proc = start_shard_process(launch.params, key, shard, tmp_path, "a", die_on_part_unlink=True)
     start_together(tmp_path, [proc], ["a"])
     proc.communicate(timeout=120)
     assert proc.returncode == -signal.SIGKILL

@@ -30,7 +30,7 @@ def test_samples_cut_at_the_training_length_are_kept_marked_and_not_counted_as_t
     assert settings.count_tokens  # the budget has planning count every prompt
     plan = plan_shards(source, cfg.layout, settings)
     shard = plan["shards"][0]
-    done = dag_tasks.generate(cfg.params, "test_run", {**shard, "run_prompts": plan["accepted"]})
+    done = dag_tasks.generate(launch.params, "test_run", {**shard, "run_prompts": plan["accepted"]})
     counter = TokenCounter()  # planning's count of a prompt's tokens, stored in the shard
     prompts = {r["sample_id"]: r["prompt_tokens"] for r in pq.read_table(shard["path"]).to_pylist()}
     assert all(n == counter.count(Prompt(r["sample_id"], json.loads(r["messages"]),

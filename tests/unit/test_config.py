@@ -2,6 +2,7 @@ import sys
 
 import pytest
 
+from dflash_regen import config, quality
 from dflash_regen.config import COOKBOOK_FLAGS, DEFAULTS, RunConfig, merge_flags, parse_flags, safe_run_id
 from dflash_regen.errors import ConfigError
 
@@ -55,7 +56,12 @@ def test_launcher_owned_flags_cannot_be_overridden():
     ("num_servers", 0, "between 1 and 64"),
     ("num_servers", "7", "must be an integer"),
     ("max_tokens", 8, "between 16"),
-    ("top_p", 1.5, "between 0.01 and 1.0"),
+    ("top_p", 1.5, "must be above 0 and at most 1"),
+    ("top_p", 0, "must be above 0 and at most 1"),
+    ("top_k", 0, "must be -1 (off) or between 1 and 1,000,000"),
+    ("gpu_ids", "0, 1", "GPU numbers separated by commas (no spaces)"),
+    ("server_flags", "--port 1234", "--port is set by the launcher"),
+    ("autotune", "sometimes", "must be one of off, advise, apply"),
     ("gpu_ids", "0,1", "must list 7 comma-separated GPU numbers"),
     ("output_root", "relative/out", "absolute path"),
     ("staging_dir", "/dev/shm/../etc", "without '..'"),
@@ -86,3 +92,51 @@ def test_run_ids_become_safe_directory_names():
     assert "/" not in safe_run_id("../../etc")
     with pytest.raises(ConfigError):
         safe_run_id("///")
+
+
+def test_the_last_servers_port_must_exist_and_the_message_names_both_params():
+    assert RunConfig.from_params(params(base_port=65529), "r").fleet.port(6) == 65535
+    with pytest.raises(ConfigError) as info:
+        RunConfig.from_params(params(base_port=65530), "r")
+    assert str(info.value) == ("Param 'base_port' = 65530 is invalid: with num_servers = 7 the last server would "
+                               "listen on port 65,536, past 65,535; lower base_port or num_servers")
+
+
+def test_one_sampling_object_is_shared_by_smoke_planning_generation_and_capacity():
+    cfg = RunConfig.from_params(params(max_tokens=8192, top_p=0.9), "r")
+    assert cfg.generation.sampling is cfg.sampling and cfg.plan.sampling is cfg.sampling
+    assert (cfg.sampling.max_tokens, cfg.sampling.top_p) == (8192, 0.9)
+    for settings in (cfg.generation, cfg.plan):
+        assert "max_tokens" not in settings.__dataclass_fields__
+
+
+def test_the_plan_record_holds_max_tokens_but_not_the_other_sampling_values():
+    """The plan's fingerprint: another max_tokens changes which prompts fit (re-plan), another temperature does not."""
+    record = RunConfig.from_params(params(max_tokens=8192), "r").plan.record()
+    assert record["max_tokens"] == 8192 and "sampling" not in record and "temperature" not in record
+    assert RunConfig.from_params(params(temperature=1.0), "r").plan.record() == RunConfig.from_params(
+        params(), "r").plan.record()
+
+
+def test_extra_flags_give_the_config_server_flags_would_have_given():
+    base = RunConfig.from_params(params(server_flags="--mem-fraction-static 0.7"), "r")
+    tuned = base.with_extra_flags("--reasoning-parser deepseek-r1 --max-running-requests 24")
+    same = RunConfig.from_params(params(server_flags="--mem-fraction-static 0.7 --reasoning-parser deepseek-r1 "
+                                                     "--max-running-requests 24"), "r")
+    assert tuned == same
+    assert tuned.generation.reasoning_parser == "deepseek-r1" and base.generation.reasoning_parser == "qwen3"
+    with pytest.raises(ConfigError, match="--api-key is set by the launcher"):
+        base.with_extra_flags("--api-key x")
+
+
+def test_the_config_keeps_the_param_texts_it_is_asked_for_and_not_the_raw_dict():
+    cfg = RunConfig.from_params(params(server_flags=" --page-size 64 ", emulator_profile={"startup_s": 1}), "r")
+    assert (cfg.fleet.server_flags, cfg.fleet.server_command) == ("--page-size 64", "emulator")
+    assert cfg.fleet.emulator_profile == {"startup_s": 1} and cfg.fleet.emulator_faults == {}
+    assert "params" not in RunConfig.__dataclass_fields__
+
+
+def test_quality_settings_live_in_config_and_quality_uses_them():
+    assert quality.QualitySettings is config.QualitySettings
+    cfg = RunConfig.from_params(params(empty_mask_tokens=9, max_repetition_score=0.25), "r")
+    assert (cfg.quality.empty_mask_tokens, cfg.quality.max_repetition) == (9, 0.25)

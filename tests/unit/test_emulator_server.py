@@ -104,16 +104,17 @@ def _start(model: Path, log_dir: Path, flags, *, faults=None, profile=None, env=
 
 
 def _stop(emu: Emu, expect_graceful: bool = True) -> None:
-    """SIGTERM a live server (it must exit 0 within ~2 s), SIGKILL anything left, assert it is gone."""
+    """SIGTERM a live server (it must exit 0, within 10 s even on a loaded 2-core box), SIGKILL anything left, assert
+    it is gone."""
     proc = emu.proc
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)
         try:
-            code = proc.wait(timeout=3)
+            code = proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(timeout=5)
-            raise AssertionError(f"emulator ignored SIGTERM for 3 s:\n{emu.log()[-2000:]}") from None
+            raise AssertionError(f"emulator ignored SIGTERM for 10 s:\n{emu.log()[-2000:]}") from None
         if expect_graceful:
             assert code == 0, f"SIGTERM exit code {code}:\n{emu.log()[-2000:]}"
     try:

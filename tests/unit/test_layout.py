@@ -77,7 +77,7 @@ def test_the_parts_of_shards_not_merged_yet_count_and_nothing_is_counted_twice(t
 def test_shard_files_name_their_shard_and_other_files_are_refused(tmp_path):
     run = RunLayout(tmp_path)
     for path in (run.shard(12), run.merged(FAILURES, 12), run.parts(COMPLETIONS, 12) / "part-0001-ab.parquet",
-                 run.summary(12), run.conversations(12), run.status(12), run.final_conversations(12)):
+                 run.summary(12), run.conversations(12), run.status(12)):
         assert shard_of(path) == 12, path
     with pytest.raises(ValueError, match="is not a shard's file"):
         shard_of(run.planning_quarantine)

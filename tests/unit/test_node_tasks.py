@@ -19,15 +19,16 @@ def shards(n, size=10):
 def test_a_node_failing_a_gate_is_left_out_with_continue_and_fails_the_run_without(run_params):
     params = run_params(node_failure="continue")
     # health_check of a node whose fleet was never launched: a gate failure
-    with pytest.raises(AirflowSkipException, match="node slow is left out of this run"):
-        dag_tasks.health_check(params, "r1", node=NODES["slow"])
     cfg = RunConfig.from_params(params, "r1", node="slow")
+    launched = {"fleet_dir": str(cfg.fleet_dir)}
+    with pytest.raises(AirflowSkipException, match="node slow is left out of this run"):
+        dag_tasks.health_check(params, "r1", launched, node=NODES["slow"])
     record = json.loads(cfg.layout.node_report("left_out").read_text())
     assert record["task"] == "health_check" and "re-run launch_fleet" in record["error"]
     with pytest.raises(AirflowFailException):
-        dag_tasks.health_check(run_params(node_failure="fail"), "r2", node=NODES["slow"])
+        dag_tasks.health_check(run_params(node_failure="fail"), "r2", launched, node=NODES["slow"])
     with pytest.raises(AirflowFailException):  # one node: no node, no leaving out
-        dag_tasks.health_check(params, "r3")
+        dag_tasks.health_check(params, "r3", launched)
 
 
 def ready(params, run_id, name, prompts_per_s, servers=2):

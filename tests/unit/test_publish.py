@@ -1,3 +1,4 @@
+import errno
 import json
 import os
 
@@ -17,47 +18,66 @@ def inputs(tmp_path, rows=2):
     pq.write_table(pa.table({"sample_id": [f"s{i}" for i in range(rows)]}), tok)
     manifest = {"counts": {"prompts": rows + 1, "published": rows, "quarantined": 1},
                 "tokens": {"output": 10, "total": 20}, "config": {}, "storage": {"offline_hidden_states_tb": 0.0}}
-    return conv, tok, manifest
+    return [publish.Part(tok, conv)], manifest
 
 
 def test_publish_appears_complete_and_is_not_redone(tmp_path):
-    conv, tok, manifest = inputs(tmp_path)
+    parts, manifest = inputs(tmp_path)
     dest = tmp_path / "published" / "ds" / "v1"
     card = publish.dataset_card("ds", "v1", manifest)
-    assert publish.publish(dest, [conv], [tok], manifest, card) == dest
+    assert publish.publish(dest, parts, manifest, card) == dest
     assert sorted(p.name for p in dest.iterdir()) == ["README.md", "conversations.jsonl", "manifest.json",
                                                      "tokenized"]
     assert json.loads((dest / "manifest.json").read_text())["counts"]["published"] == 2
     stamp = (dest / "manifest.json").stat().st_mtime_ns
-    publish.publish(dest, [conv], [tok], {**manifest, "counts": {**manifest["counts"], "published": 99}}, card)
+    publish.publish(dest, parts, {**manifest, "counts": {**manifest["counts"], "published": 99}}, card)
     assert (dest / "manifest.json").stat().st_mtime_ns == stamp
     assert not list(dest.parent.glob(".*"))
 
 
 def test_inconsistent_counts_publish_nothing(tmp_path):
-    conv, tok, manifest = inputs(tmp_path)
+    parts, manifest = inputs(tmp_path)
     manifest["counts"]["published"] = 3
     dest = tmp_path / "published" / "ds" / "v1"
     with pytest.raises(PublishRefused, match="refusing to publish"):
-        publish.publish(dest, [conv], [tok], manifest, "card")
+        publish.publish(dest, parts, manifest, "card")
     assert not dest.exists() and not list(dest.parent.iterdir())
 
 
 def test_a_crash_mid_publish_leaves_no_visible_version_and_stale_tmp_is_cleaned(tmp_path):
-    conv, tok, manifest = inputs(tmp_path)
+    parts, manifest = inputs(tmp_path)
     parent = tmp_path / "published" / "ds"
     pid = os.fork()
-    if pid == 0:  # the child dies (SIGKILL-like) in the middle of copying
-        real = publish.shutil.copyfile
-        publish.shutil.copyfile = lambda *a: (real(*a), os._exit(9))
-        publish.publish(parent / "v1", [conv], [tok], manifest, "card")
+    if pid == 0:  # the child dies (SIGKILL-like) in the middle of placing the shards
+        real = publish.os.link
+        publish.os.link = lambda *a: (real(*a), os._exit(9))
+        publish.publish(parent / "v1", parts, manifest, "card")
         os._exit(0)
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 9
     assert not (parent / "v1").exists()
     assert len(publish.clean_stale_tmp(parent)) == 1 and not list(parent.iterdir())
-    publish.publish(parent / "v1", [conv], [tok], manifest, "card")
+    publish.publish(parent / "v1", parts, manifest, "card")
     assert (parent / "v1" / "manifest.json").is_file()
+
+
+def test_shards_are_hard_linked_not_copied_and_copied_across_filesystems(tmp_path, monkeypatch, caplog):
+    parts, manifest = inputs(tmp_path)
+    dest = tmp_path / "published" / "ds" / "v1"
+    publish.publish(dest, parts, manifest, "card")
+    part = dest / "tokenized" / "part-00000.parquet"
+    assert part.stat().st_ino == parts[0].tokens.stat().st_ino  # one copy on disk
+    assert not list(tmp_path.glob("final"))
+
+    def cross_device(src, dst):
+        raise OSError(errno.EXDEV, "Invalid cross-device link")
+
+    monkeypatch.setattr(publish.os, "link", cross_device)
+    with caplog.at_level("WARNING"):
+        publish.publish(tmp_path / "elsewhere" / "ds" / "v1", parts, manifest, "card")
+    copied = tmp_path / "elsewhere" / "ds" / "v1" / "tokenized" / "part-00000.parquet"
+    assert copied.read_bytes() == parts[0].tokens.read_bytes() and copied.stat().st_ino != part.stat().st_ino
+    assert "1 tokenized shards copied, not hard-linked" in caplog.text and "another filesystem" in caplog.text
 
 
 def test_hidden_state_estimate_matches_the_seeds_order_of_magnitude():
@@ -83,3 +103,64 @@ def test_publish_run_refuses_counts_that_do_not_reconcile(tmp_path):
     with pytest.raises(PublishRefused, match=r"counts do not reconcile: 5 prompts but 3 published \+ 1 quarantined"):
         publish.publish_run(run, dest, plan, quality, {}, tmp_path / "model")
     assert not dest.exists()
+
+
+def tokenized_run(tmp_path):
+    """A run folder as tokenize and the quality gate leave it: shard 0 holds a quarantined sample, shard 1 none
+    (its one answer holds U+2028, which str.splitlines splits at)."""
+    from dflash_regen import atomic
+    from dflash_regen.conversation import specforge_record
+    from dflash_regen.schemas import TOKENIZED
+
+    run = RunLayout(tmp_path / "run")
+    shards = {0: ["a", "b\"q", "c"], 1: ["d"]}
+    for n, ids in shards.items():
+        rows = [{"sample_id": i, "input_ids": [1, 2, k], "loss_mask": [0, 1, 1], "n_tokens": 3, "loss_mask_sum": 2}
+                for k, i in enumerate(ids)]
+        atomic.write_table(pa.Table.from_pylist(rows, schema=TOKENIZED), run.tokenized(n))
+        turns = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "é\u2028ü"}]
+        atomic.write_lines(run.conversations(n),
+                           [json.dumps(specforge_record(i, turns, None), ensure_ascii=False) for i in ids])
+        pq.write_table(pa.table({"sample_id": ids, "n_tokens": [3] * len(ids), "loss_mask_sum": [2] * len(ids),
+                                 "reasoning_tokens": [0] * len(ids), "content_tokens": [2] * len(ids)}),
+                       run.summary(n))
+        run.results_dir(COMPLETIONS).mkdir(parents=True, exist_ok=True)
+        pq.write_table(pa.table({"sample_id": ids, "server": ["s0"] * len(ids), "completion_tokens": [5] * len(ids),
+                                 "latency_s": [1.0] * len(ids)}), run.merged(COMPLETIONS, n))
+    run.planning_quarantine.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.table({"sample_id": ["z"], "reason": ["bad_role"]}), run.planning_quarantine)
+    run.gate_quarantine.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.table({"sample_id": ["b\"q"], "reason": ["empty_answer_mask"]}), run.gate_quarantine)
+    plan = {"rows": 5, "source": "p", "fingerprint": "f"}
+    quality = {"success": True, "statistics": {}, "expectations": [],
+               "quarantined_by_reason": {"empty_answer_mask": 1}}
+    return run, plan, quality
+
+
+def test_publish_run_writes_what_filtering_every_shard_wrote_and_stores_clean_shards_once(tmp_path):
+    import pyarrow.compute as pc
+
+    run, plan, quality = tokenized_run(tmp_path)
+    dest = tmp_path / "published" / "ds" / "v1"
+    manifest = publish.publish_run(run, dest, plan, quality, {}, tmp_path / "model")
+    assert manifest["counts"] | {"quarantined_by_reason": None} == {
+        "prompts": 5, "published": 3, "quarantined": 2, "quarantined_by_reason": None, "truncated_at_train_length": 0}
+    # The files as publish wrote them before: every shard read, filtered and rewritten, every line parsed.
+    parts = []
+    for n in (0, 1):
+        table = pq.read_table(run.tokenized(n))
+        sink = pa.BufferOutputStream()
+        pq.write_table(table.filter(pc.invert(pc.is_in(table.column("sample_id"), pa.array(["b\"q"])))), sink)
+        parts.append(sink.getvalue().to_pybytes())
+    assert [(dest / "tokenized" / f"part-{n:05d}.parquet").read_bytes() for n in (0, 1)] == parts
+    lines = [line for n in (0, 1) for line in
+             run.conversations(n).read_bytes().split(b"\n") if line]
+    assert (dest / "conversations.jsonl").read_bytes() == b"".join(
+        line + b"\n" for line in lines if json.loads(line)["id"] != "b\"q")
+    assert [json.loads(line)["id"] for line in (dest / "conversations.jsonl").read_bytes().splitlines()] \
+        == ["a", "c", "d"]
+    # the clean shard is the run's own file; the one with a quarantined sample a filtered copy; no final/ folder
+    assert (dest / "tokenized" / "part-00001.parquet").stat().st_ino == \
+        run.tokenized(1).stat().st_ino
+    assert (dest / "tokenized" / "part-00000.parquet").stat().st_nlink == 1
+    assert not (run.run_dir / "final").exists()

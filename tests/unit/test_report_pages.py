@@ -3,6 +3,7 @@
 import json
 import re
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -178,6 +179,27 @@ def test_fleet_page_shows_allocation_smoke_and_progress_without_double_counting_
     assert html.index("<th>settings</th>") < html.index("<th>fleet tok/s</th>") and "11,809" in html
     assert 'id="extrapolated"' in html  # the table's "*" is explained
     assert set(re.findall(r"(\d[\d,]*) requests(?:</b>)? of ~", html)) == {"526"}  # one KV figure: measured
+
+
+def test_a_refresh_reads_only_the_files_that_changed(root, monkeypatch):
+    """The page keeps what it read (status files, completion footers and columns) until a file changes: a
+    refresh of a run of 902 finished shards reads none of them again, only the one a running shard rewrote."""
+    from dflash_regen import shard_status
+    from dflash_regen.run_report import files
+
+    run = RunLayout.of(root, FOLDER).run_dir
+    read = []
+    for owner, name in ((shard_status, "read"), (files.pq, "read_table"), (files.pq, "read_metadata")):
+        real = getattr(owner, name)
+        monkeypatch.setattr(owner, name, lambda p, *a, real=real, **k: (read.append(Path(p).name), real(p, *a, **k))[1])
+    first = run_report.fleet_report(run, now=2000.0)
+    assert {"shard-00000.json", "shard-00001.json", "shard-00000.parquet", "part-1.parquet"} <= set(read)
+    read.clear()
+    assert run_report.fleet_report(run, now=2000.0)["progress"] == first["progress"] and read == []
+    status = RunLayout(run).status(1)
+    status.write_text(status.read_text().replace('"done": 5', '"done": 6', 1))
+    assert run_report.fleet_report(run, now=2000.0)["progress"]["done"] == first["progress"]["done"] + 1
+    assert read == ["shard-00001.json"]
 
 
 def test_fleet_page_lists_the_incidents_and_marks_them_on_the_chart(client):

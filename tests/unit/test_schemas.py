@@ -7,10 +7,14 @@ import pyarrow.parquet as pq
 import pytest
 
 from dflash_regen import quality, schemas, tokenized
+from dflash_regen.config import SamplingConfig
 from dflash_regen.demo_model import write_demo_model
 from dflash_regen.layout import COMPLETIONS, RunLayout
 from dflash_regen.planning import PlanSettings, plan_shards
 from dflash_regen.tokenize import load_tokenizer
+
+SAMPLING = SamplingConfig(max_tokens=100, temperature=0.6, top_p=0.95, top_k=20, min_p=0.0, presence_penalty=0.0,
+                          enable_thinking=True)
 
 
 @pytest.fixture(scope="module")
@@ -26,7 +30,7 @@ def planned(tmp_path) -> RunLayout:
               "tools": [{"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}]},
              {"id": "a", "messages": [{"role": "user", "content": "a duplicate id"}]}]
     source.write_text("".join(json.dumps(line) + "\n" for line in lines))
-    plan_shards(source, run, PlanSettings(shard_size=10, max_tokens=100, context_length=4096, max_bad_share=0.5))
+    plan_shards(source, run, PlanSettings(shard_size=10, sampling=SAMPLING, context_length=4096, max_bad_share=0.5))
     return run
 
 

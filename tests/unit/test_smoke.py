@@ -4,7 +4,7 @@ from dflash_regen.config import SamplingConfig
 from dflash_regen.smoke import PROMPTS, judge
 
 SAMPLING = SamplingConfig(max_tokens=512, temperature=0.6, top_p=0.95, top_k=20, min_p=0.0, presence_penalty=0.0,
-                          enable_thinking=True, smoke_timeout_s=60)
+                          enable_thinking=True)
 
 
 def body(content=None, reasoning=None, finish="stop", tool_calls=None, completion=100, reasoning_tokens=80):

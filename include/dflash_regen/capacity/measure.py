@@ -92,7 +92,7 @@ class _Level:
             messages = json.loads(row["messages"])
             tools = json.loads(row["tools"]) if row["tools"] else None
             payload = chat_payload(messages, tools, self.settings, sample_seed(row["sample_id"], self.settings.seed),
-                                   self.settings.max_tokens)
+                                   self.settings.sampling.max_tokens)
             try:
                 result = with_retries(lambda p=payload: self.api.stream(p, stall_s=self.settings.stall_s,
                                                                         cap_s=self.settings.request_cap_s,
@@ -200,4 +200,4 @@ def measure_server(server: Server, api_key: str, settings: GenerationSettings, p
             "seconds": round(time.monotonic() - started, 1), "levels": measured,
             "output_tokens": lengths, "prompt_tokens": prompt_tokens, "reasoning_tokens": reasoning,
             "finish_reasons": finish,
-            "max_tokens": settings.max_tokens}
+            "max_tokens": settings.sampling.max_tokens}

@@ -71,7 +71,7 @@ def _column(paths: list[Path], column: str) -> list:
 def _statuses(run: Path) -> dict[int, dict]:
     out = {}
     for path in RunLayout(run).status_files():
-        status = shard_status.read(path)
+        status = _cached(path, "status", shard_status.read)  # a finished shard's file never changes again
         if status is not None:
             out[int(status["shard"])] = status
     return out
