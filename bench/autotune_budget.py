@@ -45,7 +45,7 @@ def phase(work, source, run_id: str, speedup: float, **params) -> dict:
         tuned = {}
         if fl.params["autotune"] != "off":
             started = time.monotonic()
-            tuned = dag_tasks.autotune_fleet(fl.params, run_id, str(work / "model"))
+            tuned = dag_tasks.autotune_fleet(fl.params, run_id, str(work / "model"), planned["shards"])
             tuned["autotune_task_s"] = round(time.monotonic() - started, 1)
             report = autotune.read_report(fl.cfg.reports_dir)
             chosen = next((r for r in report["candidates"] if r.get("chosen")), {})
