@@ -89,7 +89,7 @@ def main() -> None:
     ap.add_argument("--gx-rows", type=int, nargs=2, default=[100_000, 902_087])
     args = ap.parse_args()
     if args.quick:
-        args.samples, args.gx_rows = 40, [2_000, 18_000]
+        args.samples, args.gx_rows = 40, [1_000, 4_000]
     work = work_dir("tok")
     tok = bench_tokenize(args.samples, work)
     small, large = bench_gx(args.gx_rows, work)

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import random
+import shutil
 import signal
 import socket
 import subprocess
@@ -151,11 +153,30 @@ def launch(run_params, tmp_path, no_leftover_servers):
 
 
 @pytest.fixture(scope="session")
-def airflow_db():
+def airflow_db_template(tmp_path_factory) -> Path:
+    """A migrated SQLite metadata DB, made once per test session (one `airflow db migrate`, ~13 s on a loaded
+    2-core box) and copied into each Airflow home the tests start; pytest-xdist workers share it under a lock."""
+    shared = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        shared = shared.parent  # the session's folder, above each worker's own
+    folder = shared / "airflow-db-template"
+    folder.mkdir(exist_ok=True)
+    with open(folder / "lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (folder / "airflow.db").exists():
+            home = folder / "home"
+            airflow = Path(sys.executable).parent / "airflow"
+            done = subprocess.run([str(airflow), "db", "migrate"], env={**os.environ, "AIRFLOW_HOME": str(home)},
+                                  capture_output=True, text=True, timeout=300, check=False)
+            assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+            (home / "airflow.db").rename(folder / "airflow.db")
+    return folder / "airflow.db"
+
+
+@pytest.fixture(scope="session")
+def airflow_db(airflow_db_template):
     """dag.test needs a migrated metadata DB (SQLite in the session's AIRFLOW_HOME)."""
-    airflow = Path(sys.executable).parent / "airflow"
-    done = subprocess.run([str(airflow), "db", "migrate"], capture_output=True, text=True, timeout=300, check=False)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    shutil.copyfile(airflow_db_template, Path(os.environ["AIRFLOW_HOME"]) / "airflow.db")
 
 
 @pytest.fixture(scope="session")
@@ -165,17 +186,30 @@ def dag(airflow_db):
     return DagBag(dag_folder=str(ROOT / "dags")).dags["dflash_regen"]
 
 
+# The slowest tests, slowest first (each takes minutes on a loaded 2-core box): handed out first, so no worker
+# starts one near the end while the other sits idle.
+SLOW_FIRST = ("tests/live/test_two_nodes_celery.py", "tests/bench/", "tests/e2e/", "tests/faults/test_fault_matrix.py",
+              "tests/integration/test_autotune_on_fleet.py", "tests/faults/", "tests/contract/", "tests/integration/")
+
+
+def _slowness(item) -> int:
+    path = item.nodeid.split("::")[0]
+    return next((i for i, prefix in enumerate(SLOW_FIRST) if path.startswith(prefix)), len(SLOW_FIRST))
+
+
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which turns the mark into the node id's @group
 def pytest_collection_modifyitems(items):
     """Under pytest-xdist (`--dist loadgroup`), every test of the one live Airflow runs on one worker, so the
-    session starts it once; the other workers take the rest of the suite meanwhile."""
+    session starts it once (xdist hands out the largest group first); the other worker takes the rest of the
+    suite meanwhile, slowest first."""
     for item in items:
         if "live_airflow" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.xdist_group("live_airflow"))
+    items.sort(key=_slowness)  # stable: within a file, tests keep their order
 
 
 @pytest.fixture(scope="session")
-def live_airflow(tmp_path_factory):
+def live_airflow(tmp_path_factory, airflow_db_template):
     """One real Airflow for every test that asks (tests/live_airflow.py); runs are kept apart by run id and
     dataset name. Failed shards are not retried, so a test can clear them itself."""
     from live_airflow import LIVE_PROFILE, LiveAirflow
@@ -189,7 +223,7 @@ def live_airflow(tmp_path_factory):
         "DFLASH_GENERATE_RETRIES": "0",
     })
     try:
-        af.start()
+        af.start(db=airflow_db_template)
         yield af
     finally:
         af.stop()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
@@ -73,18 +74,24 @@ class LiveAirflow:
             "AIRFLOW__LOGGING__WORKER_LOG_SERVER_PORT": str(port + 1),
             "AIRFLOW__LOGGING__TRIGGER_LOG_SERVER_PORT": str(port + 2),
             "AIRFLOW__SCHEDULER__TASK_INSTANCE_HEARTBEAT_TIMEOUT": "60",
+            # The DAG file does not change during a session: parsed once, not again every 30 s (CPU the tests need).
+            "AIRFLOW__DAG_PROCESSOR__MIN_FILE_PROCESS_INTERVAL": "3600",
             **extra_env,
         }
         self.output_root = Path(extra_env["DFLASH_OUTPUT_ROOT"])  # where the DAG's runs land by default
         self._token: str | None = None
 
     # ------------------------------------------------------------------------------------------ lifecycle
-    def start(self, timeout_s: float = 180) -> None:
+    def start(self, timeout_s: float = 180, db: Path | None = None) -> None:
+        """Start every component; `db`: a migrated metadata DB to copy (conftest's template) instead of migrating."""
         self.home.mkdir(parents=True, exist_ok=True)
         (self.home / "passwords.json").write_text(json.dumps({"admin": self.password}))
-        done = subprocess.run([AIRFLOW, "db", "migrate"], env=self.env, capture_output=True, text=True,
-                              timeout=300, check=False)
-        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+        if db:
+            shutil.copyfile(db, self.home / "airflow.db")
+        else:
+            done = subprocess.run([AIRFLOW, "db", "migrate"], env=self.env, capture_output=True, text=True,
+                                  timeout=300, check=False)
+            assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
         for name in ("api-server", "scheduler", "dag-processor"):
             self.start_component(name)
         self.wait_ready(timeout_s)

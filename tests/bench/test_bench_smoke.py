@@ -1,5 +1,11 @@
-"""`bench/run.py --quick` runs every benchmark at tiny sizes and reports every figure, so the benchmarks
-cannot rot. The figures themselves are not checked: timings belong to `make bench`, never to tests."""
+"""`bench/run.py --quick` runs the benchmarks at tiny sizes and reports every figure, so the benchmarks
+cannot rot. The figures themselves are not checked: timings belong to `make bench`, never to tests.
+
+Two benchmarks are left to `make bench` here: at --quick sizes their cost is all process starts and fleet
+launches (~40% of the smoke), and tests run the same code paths: `airflow_overhead` is `dag.test` of the
+DAG plus the task bodies called directly (tests/e2e, tests/integration), `resume` is a shard task
+SIGKILLed mid-shard and resumed (tests/integration/test_generation.py).
+"""
 
 import json
 import subprocess
@@ -7,20 +13,31 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+LEFT_TO_MAKE_BENCH = {"airflow_overhead": 3, "resume": 7}  # benchmark -> its figure
+
+
+def benchmarks() -> list[str]:
+    sys.path.insert(0, str(ROOT / "bench"))  # as `bench/run.py` runs: beside benchlib
+    from run import BENCHMARKS
+
+    return BENCHMARKS
 
 
 def test_quick_bench_reports_every_figure_with_raw_numbers_and_a_ratio(tmp_path):
-    done = subprocess.run([sys.executable, str(ROOT / "bench" / "run.py"), "--quick", "--out", str(tmp_path)],
-                          capture_output=True, text=True, timeout=900, check=False)
+    assert LEFT_TO_MAKE_BENCH.keys() < set(benchmarks())
+    only = [b for b in benchmarks() if b not in LEFT_TO_MAKE_BENCH]
+    done = subprocess.run([sys.executable, str(ROOT / "bench" / "run.py"), "--quick", "--out", str(tmp_path),
+                           "--only", *only], capture_output=True, text=True, timeout=900, check=False)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
     report = json.loads((tmp_path / "latest.json").read_text())
     assert report["quick"] and report["machine"]["cores"] >= 1
     figures = report["figures"]
-    assert {f["figure"] for f in figures} == set(range(1, 9))
+    expected = set(range(1, 9)) - set(LEFT_TO_MAKE_BENCH.values())
+    assert {f["figure"] for f in figures} == expected
     for f in figures:
         assert f["name"] and f["ratio_of"] and f["ideal"] and "ratio" in f, f
         assert any(isinstance(v, int | float) for v in f["raw"].values()), f
-    for number in range(1, 9):  # each figure has at least one measured ratio
+    for number in expected:  # each figure has at least one measured ratio
         assert any(isinstance(f["ratio"], float | int) for f in figures if f["figure"] == number), number
     table = (tmp_path / "latest.md").read_text()
     assert table.count("\n| ") == len(figures) + 1  # header + one row per figure

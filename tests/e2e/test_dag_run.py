@@ -1,39 +1,34 @@
-"""The whole DAG, run by Airflow (`dag.test`) against seven emulated SGLang servers."""
+"""The whole DAG, run by Airflow (`dag.test`) against emulated SGLang servers: the demo on seven in the newest
+supported SGLang's mode, a small run in the oldest's. A gate failing with the teardown still run is fault case 5
+(tests/faults/test_fault_matrix.py)."""
 
 import json
 from pathlib import Path
 
 import pyarrow.parquet as pq
 from conftest import FAST_PROFILE
-from dag_helpers import layout_of, states
+from dag_helpers import assert_ran_in_versions_mode, check_invariants, layout_of, logs, states
 from trainer_loaders import load_first_record_decides
 
 from dflash_regen import sglang
-from dflash_regen.layout import COMPLETIONS, FAILURES, RunLayout
-
-
-def assert_ran_in_versions_mode(run: RunLayout, version: str) -> None:
-    """The launcher built that version's argv and env, and health_check found the Mamba binding although
-    /server_info's top-level max_mamba_cache_size is null (the CLI echo) in every version."""
-    health = json.loads(run.report("health").read_text())
-    assert all(s["version"] == version and s["binding"] == "Mamba slots (80 // 5 = 16)" for s in health["servers"])
-    spec = json.loads(run.fleet.server_spec(0).read_text())
-    assert sglang.Dialect(version).mamba_strategy_flag in spec["argv"]
-    assert ("SGLANG_ENABLE_SPEC_V2" in spec["env"]) == (version == sglang.OLDEST)
+from dflash_regen.layout import COMPLETIONS, FAILURES
 
 
 def test_demo_dag_runs_green_on_seven_emulated_servers(dag, run_params, no_leftover_servers):
     # In the newest supported SGLang's mode (the oldest's: the next test; the default's: every other test).
-    # autotune advises within a 10 s budget: the current settings and a candidate or two, then a relaunched fleet.
-    conf = run_params(7, shard_size=20, emulator_profile={**FAST_PROFILE, "sglang_version": sglang.NEWEST_CHECKED},
-                      autotune="advise", autotune_candidate_s=2.0, autotune_budget_s=10.0)
+    # autotune advises within an 8 s budget (stopping the fleet counts in it: a loaded box can take seconds): the
+    # current settings and at most one more are measured, the rest is over the budget
+    # (tests/integration/test_autotune_on_fleet.py measures them all), then the fleet is relaunched.
+    # Three shards (mapped tasks, and fewer tokenize tasks: each loads the tokenizer).
+    conf = run_params(7, shard_size=40, emulator_profile={**FAST_PROFILE, "sglang_version": sglang.NEWEST_CHECKED},
+                      autotune="advise", autotune_candidate_s=2.0, autotune_budget_s=8.0)
     dag_run = dag.test(run_conf=conf)
     assert states(dag_run) == {t: "success" for t in ("stage_weights", "launch_fleet", "health_check", "smoke_test",
                                                        "plan_shards", "autotune", "calibrate", "generate", "tokenize",
                                                        "validate", "publish", "stop_fleet", "check_published")}
     assert dag_run.state == "success"
     labels = sorted(ti.rendered_map_index for ti in dag_run.get_task_instances() if ti.task_id == "generate")
-    assert labels[0] == "shard 0000 (20 prompts)" and len(labels) == 6
+    assert labels[0] == "shard 0000 (40 prompts)" and len(labels) == 3
     run = layout_of(conf, dag_run)
     plan = json.loads(run.report("plan").read_text())
     completions = [sid for p in run.merged_files(COMPLETIONS)
@@ -93,25 +88,20 @@ def test_demo_dag_runs_green_on_seven_emulated_servers(dag, run_params, no_lefto
     assert manifest["quality"]["success"] and manifest["storage"]["offline_hidden_states_tb"] > 0
 
 
-def test_low_allocation_fails_health_check_and_still_stops_the_fleet(dag, run_params, no_leftover_servers):
-    conf = run_params(7, emulator_faults={"4": {"kv_tokens": 150_000}})
-    dag_run = dag.test(run_conf=conf)
-    got = states(dag_run)
-    assert got["launch_fleet"] == "success"
-    assert got["health_check"] == "failed"
-    assert got["smoke_test"] == "upstream_failed" and got["generate"] == "upstream_failed"
-    assert got["publish"] == "upstream_failed"
-    assert not (Path(conf["output_root"]) / "published").exists()
-    assert got["stop_fleet"] == "success"  # the teardown runs although a gate failed
-    assert dag_run.state == "failed"
-    report = json.loads(layout_of(conf, dag_run).report("health").read_text())
-    assert not report["passed"] and "server 4 (GPU 4" in report["error"]
-
-
-
-def test_whole_dag_is_green_in_the_oldest_supported_sglangs_mode(dag, run_params, no_leftover_servers):
-    conf = run_params(2, shard_size=61, calibration_prompts=0,
+def test_whole_dag_is_green_in_the_oldest_supported_sglangs_mode_on_loopback_and_never_logs_the_key(
+        dag, run_params, no_leftover_servers, caplog, capfd):
+    conf = run_params(2, shard_size=1000, calibration_prompts=0,  # one shard
                       emulator_profile={**FAST_PROFILE, "sglang_version": sglang.OLDEST})
     dag_run = dag.test(run_conf=conf)
     assert dag_run.state == "success", states(dag_run)
     assert_ran_in_versions_mode(layout_of(conf, dag_run), sglang.OLDEST)
+    # Security: servers listen on loopback only, and the API key is in no log, spec or server log.
+    fleet = layout_of(conf, dag_run).fleet
+    key = fleet.api_key.read_text().strip()
+    assert key not in logs(caplog, capfd)
+    for spec in fleet.server_specs():
+        record = json.loads(spec.read_text())
+        assert record["host"] == "127.0.0.1" and key not in spec.read_text()
+    for log in (fleet.server_log(i) for i in range(len(fleet.server_specs()))):
+        assert key not in log.read_text()
+    check_invariants(conf, dag_run, published=True)

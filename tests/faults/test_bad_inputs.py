@@ -4,8 +4,7 @@ the fix, before any GPU work where the input is knowable then, and leaves no pro
 import re
 
 import pytest
-from dag_helpers import layout_of, states
-from test_fault_matrix import check_invariants, logs
+from dag_helpers import check_invariants, layout_of, logs, states
 
 pytestmark = pytest.mark.usefixtures("no_leftover_servers")
 

@@ -1,6 +1,8 @@
 """Fault-matrix cases that need a real scheduler (tests/live_airflow.py): tasks run in their own processes,
 so the node can die under them, and a task can be stopped and stepped to the exact moment to kill it.
-Case 2 (a shard task SIGKILLed mid-shard, then one mapped task cleared) is in tests/live/test_airflow_ui.py.
+Both cases share one run: the node dies (case 9), the same run id resumes, and its publish is killed mid-copy
+(case 10). Case 2 (a shard task SIGKILLed mid-shard, then one mapped task cleared) is in
+tests/live/test_airflow_ui.py.
 """
 
 import json
@@ -26,10 +28,47 @@ def results_on_disk(folder) -> int:
     return sum(pq.read_metadata(p).num_rows for kind in (COMPLETIONS, FAILURES) for p in run.result_files(kind))
 
 
-def test_9_node_dies_mid_run_and_the_same_run_id_resumes_without_redoing_work(live_airflow):
+def step_until(pid: int, done, slice_s: float = 0.002, timeout_s: float = 120) -> bool:
+    """Run a stopped process in short slices until `done()` holds while it is stopped; leaves it stopped."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if done():
+            return True
+        os.kill(pid, signal.SIGCONT)
+        time.sleep(slice_s)
+        os.kill(pid, signal.SIGSTOP)
+        time.sleep(0.001)  # let the stop land before looking at the files
+    return False
+
+
+def kill_publish_mid_copy(af, run_id: str, published) -> None:
+    """SIGKILL the run's publish task while its copy is half-written; no version may be visible then."""
+    deadline = time.monotonic() + 600
+    while True:  # the publish task's own process: the Task SDK titles it "airflow worker -- <ti id>"
+        ti = next(t for t in af.task_instances(run_id) if t["task_id"] == "publish")
+        pids = processes_mentioning(f"airflow worker -- {ti['id']}") if ti["state"] == "running" else []
+        if pids:
+            break
+        assert time.monotonic() < deadline and ti["state"] not in ("success", "failed"), af.task_states(run_id)
+        time.sleep(0.02)
+    os.kill(pids[0], signal.SIGSTOP)
+
+    def mid_copy() -> bool:
+        return any(published.glob(".*.tmp/conversations.jsonl")) if published.is_dir() else False
+
+    caught = step_until(pids[0], mid_copy)
+    os.kill(pids[0], signal.SIGKILL)
+    assert caught, "publish never got to its copy while being stepped"
+    assert [p.name for p in published.iterdir() if not p.name.startswith(".")] == [], "a partial version is visible"
+
+
+def test_9_and_10_node_dies_mid_run_the_same_run_id_resumes_and_publish_killed_mid_copy_publishes_once(
+        live_airflow):
     af = live_airflow
-    run_id, conf = "node_crash", {"shard_size": 20, "checkpoint_every": 4, "calibration_prompts": 0,
-                                  "dataset_name": "node-crash"}
+    run_id, dataset = "node_crash", "node-crash"
+    # 2 shards on 2 servers: the fewest tasks (each costs seconds of Airflow time) that still run side by side.
+    conf = {"num_servers": 2, "shard_size": 60, "checkpoint_every": 4, "calibration_prompts": 0,
+            "dataset_name": dataset}
     af.trigger(run_id, conf)
     folder = run_dir(af, run_id)
     deadline = time.monotonic() + 300
@@ -37,7 +76,7 @@ def test_9_node_dies_mid_run_and_the_same_run_id_resumes_without_redoing_work(li
         assert time.monotonic() < deadline, f"no progress: {af.task_states(run_id)}"
         time.sleep(0.05)
 
-    # The node dies: the scheduler with its executor and every task process, and every SGLang server.
+    # Case 9. The node dies: the scheduler with its executor and every task process, and every SGLang server.
     af.kill_component("scheduler")
     for spec in RunLayout(folder).fleet.server_specs():
         pid = int(re.search(r'"pid": (\d+)', spec.read_text()).group(1))
@@ -56,8 +95,18 @@ def test_9_node_dies_mid_run_and_the_same_run_id_resumes_without_redoing_work(li
     assert af.wait_run(run_id, timeout_s=300) == "failed", af.task_states(run_id)
     af.api("DELETE", f"/api/v2/dags/dflash_regen/dagRuns/{run_id}")
     af.trigger(run_id, conf)
-    assert af.wait_run(run_id, timeout_s=600) == "success", af.task_states(run_id)
 
+    # Case 10, on the rerun: publish is killed mid-copy; its own retry publishes once.
+    published = af.output_root / "published" / dataset
+    kill_publish_mid_copy(af, run_id, published)
+    assert af.wait_run(run_id, timeout_s=600) == "success", af.task_states(run_id)
+    versions = sorted(p.name for p in published.iterdir())
+    assert versions == [safe_run_id(run_id)] == [folder.name], \
+        f"published more than once or left a temporary dir: {versions}"
+    ti = next(t for t in af.task_instances(run_id) if t["task_id"] == "publish")
+    assert ti["try_number"] == 2
+
+    # Case 9: the rerun sent exactly what the dead run had not kept.
     sent = 0
     for ti in af.task_instances(run_id):
         if ti["task_id"] == "generate":
@@ -71,53 +120,6 @@ def test_9_node_dies_mid_run_and_the_same_run_id_resumes_without_redoing_work(li
     assert sent == accepted - kept, "the rerun redid finished samples or skipped missing ones"
     ids = completion_ids(folder)
     assert len(ids) == len(set(ids)), "a sample was generated twice"
-    counts = published_manifest(af, run_id, "node-crash")["counts"]
-    assert counts["prompts"] == counts["published"] + counts["quarantined"]
-    versions = list((af.output_root / "published" / "node-crash").iterdir())
-    assert [v.name for v in versions] == [folder.name], "published more than once, or a partial version"
-
-
-def step_until(pid: int, done, slice_s: float = 0.002, timeout_s: float = 120) -> bool:
-    """Run a stopped process in short slices until `done()` holds while it is stopped; leaves it stopped."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if done():
-            return True
-        os.kill(pid, signal.SIGCONT)
-        time.sleep(slice_s)
-        os.kill(pid, signal.SIGSTOP)
-        time.sleep(0.001)  # let the stop land before looking at the files
-    return False
-
-
-def test_10_publish_killed_mid_copy_leaves_no_visible_version_and_the_retry_publishes_once(live_airflow):
-    af = live_airflow
-    run_id, dataset = "publish_kill", "publish-kill"
-    af.trigger(run_id, {"shard_size": 20, "calibration_prompts": 0, "dataset_name": dataset})
-    published = af.output_root / "published" / dataset
-    deadline = time.monotonic() + 600
-    while True:  # the publish task's own process: the Task SDK titles it "airflow worker -- <ti id>"
-        ti = next(t for t in af.task_instances(run_id) if t["task_id"] == "publish")
-        pids = processes_mentioning(f"airflow worker -- {ti['id']}") if ti["state"] == "running" else []
-        if pids:
-            break
-        assert time.monotonic() < deadline and ti["state"] not in ("success", "failed"), ti["state"]
-        time.sleep(0.02)
-    os.kill(pids[0], signal.SIGSTOP)
-
-    def mid_copy() -> bool:
-        return any(published.glob(".*.tmp/conversations.jsonl")) if published.is_dir() else False
-
-    caught = step_until(pids[0], mid_copy)
-    os.kill(pids[0], signal.SIGKILL)
-    assert caught, "publish never got to its copy while being stepped"
-    assert [p.name for p in published.iterdir() if not p.name.startswith(".")] == [], "a partial version is visible"
-
-    assert af.wait_run(run_id, timeout_s=300) == "success"  # publish's own retry
-    versions = sorted(p.name for p in published.iterdir())
-    assert versions == [safe_run_id(run_id)], f"published more than once or left a temporary dir: {versions}"
-    ti = next(t for t in af.task_instances(run_id) if t["task_id"] == "publish")
-    assert ti["try_number"] == 2
     counts = published_manifest(af, run_id, dataset)["counts"]
     assert counts["prompts"] == counts["published"] + counts["quarantined"]
     assert pq.read_table(published / versions[0] / "tokenized").num_rows == counts["published"]

@@ -116,19 +116,23 @@ def font_of(frame) -> str:
     return font
 
 
-def fail_one_shard(af: LiveAirflow, run_id: str, shard: int, victim: str, dataset: str) -> dict:
-    """Kill `victim` ('server' or 'task') in the middle of `shard`; the run fails on that shard alone."""
-    killer = kill_in_the_middle_of_shard(run_dir(af, run_id), shard=shard, victim=victim)
+def fail_shards(af: LiveAirflow, run_id: str, victims: dict[int, str], dataset: str) -> dict[int, dict]:
+    """Kill, per shard, its `victim` ('server' or 'task') in the middle of it; the run fails on those shards
+    alone. Returns, per shard, what was killed and how many of its results were on disk then."""
+    killers = {shard: kill_in_the_middle_of_shard(run_dir(af, run_id), shard=shard, victim=victim)
+               for shard, victim in victims.items()}
     assert af.wait_run(run_id, timeout_s=600) == "failed"
-    killer.join(1)
-    assert killer.killed, f"the fault never fired: shard {shard} checkpointed nothing while it ran"
+    for shard, killer in killers.items():
+        killer.join(1)
+        assert killer.killed, f"the fault never fired: shard {shard} checkpointed nothing while it ran"
     states = af.wait_settled(run_id)
-    others = [k for k in states if k.startswith("generate[") and k != f"generate[{shard}]"]
-    assert states[f"generate[{shard}]"] == "failed" and others, states
+    failed = {f"generate[{shard}]" for shard in victims}
+    others = [k for k in states if k.startswith("generate[") and k not in failed]
+    assert all(states[k] == "failed" for k in failed) and others, states
     assert all(states[k] == "success" for k in others), states
     assert states["publish"] == "upstream_failed" and states["stop_fleet"] == "success", states
     assert not (af.output_root / "published" / dataset).exists(), "a failed run published something"
-    return killer.killed
+    return {shard: killer.killed for shard, killer in killers.items()}
 
 
 def task_error(af: LiveAirflow, run_id: str, task_id: str, try_number: int, map_index: int = -1) -> str:
@@ -161,19 +165,28 @@ def test_the_form_refuses_a_shard_size_of_zero_before_a_run_exists(live_airflow,
     page.close()
 
 
-def test_user_triggers_from_the_form_clears_the_failed_shard_and_reads_the_reports(live_airflow, browser,
-                                                                                   screenshots):
+def test_user_triggers_from_the_form_a_rest_client_and_the_user_each_clear_one_failed_shard_and_read_the_reports(
+        live_airflow, browser, screenshots):
+    """One run, two faults: the server working on shard 2 is SIGKILLed (the user clears it from the UI) and shard
+    3's own task process is SIGKILLed (issue 7 case 2; cleared through the REST API, one mapped index only)."""
     af = live_airflow
     page = browser.new_page(viewport={"width": 1400, "height": 1000})
     log_in(page, af)
     page.screenshot(path=screenshots / "01-logged-in.png")
 
-    form = {("Prompts", "shard_size"): "20", ("Dispatch", "checkpoint_every"): "4",
-            ("Dispatch", "calibration_prompts"): "32"}  # the smallest calibration: twice the 16 slots
+    # 4 shards on 4 servers (fewer tasks and processes: each costs seconds on a loaded 2-core box), each shard
+    # on its own server; the smallest calibration: twice the 16 slots.
+    form = {("Fleet", "num_servers"): "4", ("Prompts", "shard_size"): "30", ("Dispatch", "checkpoint_every"): "4",
+            ("Dispatch", "calibration_prompts"): "32"}
     run_id = trigger_from_form(page, af, form, screenshots / "02-trigger-form.png")
     folder = run_dir(af, run_id)
-    # The fault: the server working on shard 2 is SIGKILLed once the shard has results on disk.
-    killed = fail_one_shard(af, run_id, shard=2, victim="server", dataset="qwen3.6-27b-regen")
+    # The faults land once each shard has results on disk.
+    killed_in = fail_shards(af, run_id, {2: "server", 3: "task"}, dataset="qwen3.6-27b-regen")
+    killed = killed_in[2]
+    # The killed server, named as its errors name it (read before a clear relaunches the fleet).
+    spec = next(s for s in (json.loads(p.read_text()) for p in RunLayout(folder).fleet.server_specs())
+                if s["pid"] == killed["pid"])
+    server = f"server {spec['index']} (GPU {spec['gpu']}, 127.0.0.1:{spec['port']})"
 
     # The failed run's pages say it failed, where, and why, before anyone clears anything.
     fleet = open_run_tab(page, af, run_id, "dflash-fleet", "Fleet")
@@ -187,11 +200,30 @@ def test_user_triggers_from_the_form_clears_the_failed_shard_and_reads_the_repor
     quality.get_by_role("link", name="GX Data Docs").click()
     assert "the run failed at generate[2], before validating" in quality.locator("#why").inner_text()
 
+    # A REST client clears shard 3 alone: its setups and downstream re-run, no other shard does; the run then
+    # fails again on shard 2, which is still failed.
+    # generate -> tokenize is one mapped task group per shard: the failed shards held back no other's tokenize
+    states = af.task_states(run_id)
+    assert states["tokenize[2]"] == states["tokenize[3]"] == "upstream_failed", states
+    assert states["tokenize[0]"] == states["tokenize[1]"] == "success", states
+    body = {"dag_run_id": run_id, "task_ids": [["generate", 3]], "only_failed": False, "include_downstream": True}
+    dry = af.api("POST", "/api/v2/dags/dflash_regen/clearTaskInstances", json={**body, "dry_run": True}).json()
+    cleared = {(ti["task_id"], ti["map_index"]) for ti in dry["task_instances"]}
+    assert {("generate", 3), ("tokenize", 3), ("launch_fleet", -1), ("health_check", -1), ("smoke_test", -1),
+            ("stop_fleet", -1), ("validate", -1), ("publish", -1)} <= cleared, cleared
+    others = {(t, i) for t in ("generate", "tokenize") for i in (0, 1, 2)}
+    assert not others & cleared, "clearing one shard re-ran others"
+    af.api("POST", "/api/v2/dags/dflash_regen/clearTaskInstances", json={**body, "dry_run": False})
+    states = af.wait_settled(run_id, timeout_s=600)
+    assert states["generate[3]"] == "success" and states["generate[2]"] == "failed", states
+    assert af.wait_run(run_id, timeout_s=120) == "failed"  # the scheduler sets the run's state a moment later
+    assert not (af.output_root / "published" / "qwen3.6-27b-regen").exists()
+    retry_log = af.task_log(run_id, "generate", 2, map_index=3)
+    done_before = int(re.search(r"(\d+) done before", retry_log).group(1))
+    assert done_before >= killed_in[3]["results_on_disk"] > 0, retry_log[-2000:]
+
     # The user opens the failed shard, reads why, and clears it (with Downstream, the form's default).
     # The first line of its error names the server and how it died.
-    spec = next(s for s in (json.loads(p.read_text()) for p in RunLayout(folder).fleet.server_specs())
-                if s["pid"] == killed["pid"])
-    server = f"server {spec['index']} (GPU {spec['gpu']}, 127.0.0.1:{spec['port']})"
     first = task_error(af, run_id, "generate", 1, map_index=2).splitlines()[0]
     assert re.fullmatch(rf"ShardFailed: shard 2 failed on {re.escape(server)}: the server process was killed by "
                         r"SIGKILL; \d+ of \d+ samples are kept, a retry or a clear of this shard sends only the "
@@ -242,7 +274,7 @@ def test_user_triggers_from_the_form_clears_the_failed_shard_and_reads_the_repor
     fleet = open_run_tab(page, af, run_id, "dflash-fleet", "Fleet")
     fleet.locator("#servers").wait_for()
     font_of(fleet)
-    assert fleet.locator("#servers tr").count() == 1 + 7  # header + every server
+    assert fleet.locator("#servers tr").count() == 1 + 4  # header + every server
     assert fleet.locator("#done").inner_text().split("/")[0].strip() == f"{len(ids):,}"
     assert 'class="badge ok">run success' in fleet.locator("#run-state").inner_html()
     incidents = fleet.locator("#incidents").inner_text()  # the server killed, the shard failed and retried
@@ -277,35 +309,3 @@ def test_user_triggers_from_the_form_clears_the_failed_shard_and_reads_the_repor
     page.close()
 
 
-# ---------------------------------------------------------------------------------------------- the REST API
-def test_rest_clear_of_one_mapped_shard_after_its_task_process_was_killed(live_airflow):
-    af = live_airflow
-    run_id = "rest_retry"
-    af.trigger(run_id, {"shard_size": 20, "checkpoint_every": 4, "calibration_prompts": 0,
-                        "dataset_name": "rest-retry"})
-    folder = run_dir(af, run_id)
-    # Issue 7 case 2 under a real scheduler: the shard task itself is SIGKILLed mid-shard.
-    killed = fail_one_shard(af, run_id, shard=1, victim="task", dataset="rest-retry")
-    # generate -> tokenize is one mapped task group per shard: the failed shard held back no other's tokenize
-    states = af.task_states(run_id)
-    assert states["tokenize[1]"] == "upstream_failed", states
-    assert all(states[f"tokenize[{i}]"] == "success" for i in (0, 2, 3, 4, 5)), states
-
-    body = {"dag_run_id": run_id, "task_ids": [["generate", 1]], "only_failed": False,
-            "include_downstream": True}
-    dry = af.api("POST", "/api/v2/dags/dflash_regen/clearTaskInstances", json={**body, "dry_run": True}).json()
-    cleared = {(ti["task_id"], ti["map_index"]) for ti in dry["task_instances"]}
-    assert {("generate", 1), ("tokenize", 1), ("launch_fleet", -1), ("health_check", -1), ("smoke_test", -1),
-            ("stop_fleet", -1), ("validate", -1), ("publish", -1)} <= cleared, cleared
-    others = {(t, i) for t in ("generate", "tokenize") for i in (0, 2, 3, 4, 5)}
-    assert not others & cleared, "clearing one shard re-ran others"
-    af.api("POST", "/api/v2/dags/dflash_regen/clearTaskInstances", json={**body, "dry_run": False})
-
-    assert af.wait_run(run_id, timeout_s=600, states={"success"}) == "success"
-    retry_log = af.task_log(run_id, "generate", 2, map_index=1)
-    done_before = int(re.search(r"(\d+) done before", retry_log).group(1))
-    assert done_before >= killed["results_on_disk"] > 0
-    ids = completion_ids(folder)
-    assert len(ids) == len(set(ids)), "a sample was generated twice"
-    counts = published_manifest(af, run_id, "rest-retry")["counts"]
-    assert counts["prompts"] == counts["published"] + counts["quarantined"]

@@ -22,16 +22,19 @@ import pytest
 from conftest import free_port_block, processes_mentioning
 from live_airflow import LiveAirflow, completion_ids, descendants, published_manifest, run_dir
 
+from dflash_regen.demo_prompts import write_demo_prompts
 from dflash_regen.layout import COMPLETIONS, RunLayout
 
 pytestmark = pytest.mark.celery
 
 # Short answers (mean 300 tokens) at 450 vs 150 tok/s per request, 4 running requests per server: a slow-node
-# shard of 30 prompts takes ~15 s, long enough to be killed in the middle. 4 shards of the 120 demo prompts: few
-# tasks, as each costs seconds of Airflow and Celery time on a loaded 2-core machine.
+# shard of 20 prompts takes ~10 s, long enough to be killed in the middle. 4 shards of 80 demo prompts: few
+# tasks, as each costs seconds of Airflow and Celery time on a loaded 2-core machine, and the fewest that still
+# give the slow node one (3 shards can all go to the fast node when it measures over 3x).
+PROMPTS = 80
 PROFILE = {"mean_output_tokens": 300, "min_reasoning_tokens": 50, "startup_s": 0.1}
 RATES = {"fast": 450, "slow": 150}
-CONF = {"shard_size": 30, "calibration_prompts": 8, "server_flags": "--max-running-requests 4",
+CONF = {"shard_size": 20, "calibration_prompts": 8, "server_flags": "--max-running-requests 4",
         "min_running_requests": 4, "checkpoint_every": 2, "ready_timeout_s": 60, "node_failure": "fail",
         "autotune": "off"}  # tuned in test_autotune_on_fleet.py and e2e; here only a cost
 
@@ -61,7 +64,7 @@ def worker(af: LiveAirflow, node: str, queues: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def two_nodes(tmp_path_factory):
+def two_nodes(tmp_path_factory, airflow_db_template):
     tmp = tmp_path_factory.mktemp("celery")
     redis, port = start_redis(tmp)
     nodes = [{"name": name, "queue": name, "gpus": "0,1", "staging_dir": str(tmp / "shm" / name),
@@ -75,10 +78,12 @@ def two_nodes(tmp_path_factory):
         "AIRFLOW__CELERY__BROKER_URL": f"redis://127.0.0.1:{port}/0",
         "AIRFLOW__CELERY__RESULT_BACKEND": f"redis://127.0.0.1:{port}/1",
         "AIRFLOW__SCHEDULER__TASK_INSTANCE_HEARTBEAT_TIMEOUT": "20",  # a dead worker's tasks fail after this
+        "AIRFLOW__SCHEDULER__TASK_INSTANCE_HEARTBEAT_TIMEOUT_DETECTION_INTERVAL": "2",  # checked every 10 s by default
     })
+    af.prompts = write_demo_prompts(tmp / "prompts.jsonl", PROMPTS)
     af.nodes = {n["name"]: n for n in nodes}
     try:
-        af.start()
+        af.start(db=airflow_db_template)
         worker(af, "fast", "fast,default")  # the run-wide tasks (plan, assign, validate, publish) go to default
         worker(af, "slow", "slow")
         yield af
@@ -145,7 +150,7 @@ def test_two_nodes_split_by_speed_and_a_node_killed_mid_run_loses_nothing(two_no
     publishes every prompt once."""
     af = two_nodes
     run_id, dataset = "two_nodes", "two-nodes"
-    af.trigger(run_id, {**CONF, "dataset_name": dataset})
+    af.trigger(run_id, {**CONF, "prompt_source": str(af.prompts), "dataset_name": dataset})
     folder = run_dir(af, run_id)
     deadline = time.monotonic() + 300
     while True:  # a slow-node shard has checkpointed results and is still going
