@@ -42,6 +42,7 @@ from dflash_regen.demo_model import write_demo_model
 from dflash_regen.demo_prompts import write_demo_prompts
 from dflash_regen.errors import GateFailed, NotRetryable, PublishRefused
 from dflash_regen.layout import FAILURES
+from dflash_regen.nodes import LEFT_OUT, READY
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +88,6 @@ def leave_out_node(fn):
     return wrapper
 
 
-READY, LEFT_OUT = "ready", "left_out"  # a node's reports: it passed its gates, or why it is left out
 
 
 def write_report(cfg: RunConfig, name: str, report: dict) -> Path:
@@ -96,6 +96,17 @@ def write_report(cfg: RunConfig, name: str, report: dict) -> Path:
     path = cfg.layout.node_report(name) if own else cfg.layout.report(name)
     atomic.write_json(path, report)
     return path
+
+
+def _gate(cfg: RunConfig, name: str, check) -> dict:
+    """A fleet gate's report, written whether it passed or failed (the Fleet page shows why it failed)."""
+    try:
+        report = check()
+    except GateFailed as exc:
+        write_report(cfg, name, {"passed": False, "error": str(exc)})
+        raise
+    write_report(cfg, name, report)
+    return report
 
 
 def _servers(cfg: RunConfig, launched: dict) -> tuple[list[fleet.Server], str]:
@@ -183,12 +194,7 @@ def launch_fleet(params: dict, run_id: str, model_path: str, node: dict | None =
 def health_check(params: dict, run_id: str, launched: dict, node: dict | None = None) -> dict:
     cfg = _cfg(params, run_id, node)
     servers, key = _servers(cfg, launched)
-    try:
-        report = probes.health_gate(servers, key, cfg.fleet)
-    except GateFailed as exc:
-        write_report(cfg, "health", {"passed": False, "error": str(exc)})
-        raise
-    write_report(cfg, "health", report)
+    report = _gate(cfg, "health", lambda: probes.health_gate(servers, key, cfg.fleet))
     return {"servers": len(servers), "total_running_slots": report["total_running_slots"]}
 
 
@@ -197,12 +203,7 @@ def health_check(params: dict, run_id: str, launched: dict, node: dict | None = 
 def smoke_test(params: dict, run_id: str, launched: dict, node: dict | None = None) -> dict:
     cfg = _cfg(params, run_id, node)
     servers, key = _servers(cfg, launched)
-    try:
-        report = smoke.smoke_gate(servers, key, cfg.sampling, cfg.fleet)
-    except GateFailed as exc:
-        write_report(cfg, "smoke", {"passed": False, "error": str(exc)})
-        raise
-    write_report(cfg, "smoke", report)
+    _gate(cfg, "smoke", lambda: smoke.smoke_gate(servers, key, cfg.sampling, cfg.fleet))
     return {"servers": len(servers), "passed": True}
 
 
@@ -316,35 +317,7 @@ def assign_shards(params: dict, run_id: str, shards: list[dict], node_names: lis
     """Several nodes: shards to the nodes that passed their gates, in proportion to each one's calibrated rate
     (prompts/s of its fleet; by healthy server count when a node was not calibrated). `reports/assignment.json`."""
     cfg = RunConfig.from_params(params, run_id)
-    ready, left_out = {}, {}
-    for name in node_names:
-        ready_file, left_out_file = cfg.layout.node_report(READY, name), cfg.layout.node_report(LEFT_OUT, name)
-        if ready_file.is_file():
-            ready[name] = json.loads(ready_file.read_text())
-        else:
-            record = json.loads(left_out_file.read_text()) if left_out_file.is_file() else {}
-            left_out[name] = record.get("error", "its setup tasks did not finish")
-    if left_out and params.get("node_failure") != "continue":
-        raise GateFailed(f"nodes {', '.join(left_out)} failed their setup ({'; '.join(left_out.values())}); set Param "
-                         "node_failure to 'continue' to run on the other nodes")
-    if not ready:
-        raise GateFailed(f"no node passed its gates: {left_out}; fix them (see each node's setup task logs)")
-    calibrated = all(r["prompts_per_s"] for r in ready.values())
-    rates = {n: (r["prompts_per_s"] if calibrated else float(r["servers"])) for n, r in ready.items()}
-    assigned = nodes.assign(shards, rates)
-    report = {"basis": "calibrated prompts/s" if calibrated else "healthy servers (not every node was calibrated)",
-              "left_out": left_out, "assigned_at": time.time(), "nodes": {}}
-    total_rate = sum(rates.values())
-    for name, mine in assigned.items():
-        prompts = sum(s["prompts"] for s in mine)
-        report["nodes"][name] = {
-            "shards": [s["shard"] for s in mine], "prompts": prompts, "rate": round(rates[name], 4),
-            "rate_share": round(rates[name] / total_rate, 4), "servers": ready[name]["servers"],
-            "predicted_s": round(prompts / rates[name], 1) if calibrated else None}
-        log.info("node %s: %d shards, %d prompts (rate %.3g, %.0f%% of the run's)", name, len(mine), prompts,
-                 rates[name], 100 * rates[name] / total_rate)
-    for name, why in left_out.items():
-        log.warning("node %s is left out: %s", name, why)
+    report, assigned = nodes.assign_run(cfg.layout, shards, node_names, params.get("node_failure") == "continue")
     write_report(cfg, "assignment", report)
     return {name: assigned.get(name, []) for name in node_names}
 

@@ -16,14 +16,19 @@ one-node DAG. Airflow cannot map `queue` (apache/airflow#22867), so the DAG buil
 from __future__ import annotations
 
 import json
+import logging
 import re
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from dflash_regen.errors import ConfigError
+from dflash_regen.errors import ConfigError, GateFailed
 from dflash_regen.layout import RunLayout
 
+log = logging.getLogger(__name__)
+
 NODES_ENV = "DFLASH_NODES"
+READY, LEFT_OUT = "ready", "left_out"  # a node's reports: it passed its gates, or why it is left out
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,49}")
 _FIELDS = {"name", "queue", "gpus", "staging_dir", "base_port", "server_command", "emulator_profile"}
 # What a node sets instead of the run's Param.
@@ -112,6 +117,43 @@ def assign(shards: list[dict], rates: dict[str, float]) -> dict[str, list[dict]]
     for name in out:
         out[name].sort(key=lambda s: s["shard"])
     return out
+
+
+def assign_run(layout: RunLayout, shards: list[dict], node_names: list[str], keep_going: bool
+               ) -> tuple[dict, dict[str, list[dict]]]:
+    """Shards to the nodes that passed their gates, in proportion to each one's calibrated rate (prompts/s of its
+    fleet; by healthy server count when a node was not calibrated): the assignment report and each node's shards.
+    A node left out fails the run unless `keep_going` (Param node_failure = continue)."""
+    ready, left_out = {}, {}
+    for name in node_names:
+        ready_file, left_out_file = layout.node_report(READY, name), layout.node_report(LEFT_OUT, name)
+        if ready_file.is_file():
+            ready[name] = json.loads(ready_file.read_text())
+        else:
+            record = json.loads(left_out_file.read_text()) if left_out_file.is_file() else {}
+            left_out[name] = record.get("error", "its setup tasks did not finish")
+    if left_out and not keep_going:
+        raise GateFailed(f"nodes {', '.join(left_out)} failed their setup ({'; '.join(left_out.values())}); set Param "
+                         "node_failure to 'continue' to run on the other nodes")
+    if not ready:
+        raise GateFailed(f"no node passed its gates: {left_out}; fix them (see each node's setup task logs)")
+    calibrated = all(r["prompts_per_s"] for r in ready.values())
+    rates = {n: (r["prompts_per_s"] if calibrated else float(r["servers"])) for n, r in ready.items()}
+    assigned = assign(shards, rates)
+    report = {"basis": "calibrated prompts/s" if calibrated else "healthy servers (not every node was calibrated)",
+              "left_out": left_out, "assigned_at": time.time(), "nodes": {}}
+    total_rate = sum(rates.values())
+    for name, mine in assigned.items():
+        prompts = sum(s["prompts"] for s in mine)
+        report["nodes"][name] = {
+            "shards": [s["shard"] for s in mine], "prompts": prompts, "rate": round(rates[name], 4),
+            "rate_share": round(rates[name] / total_rate, 4), "servers": ready[name]["servers"],
+            "predicted_s": round(prompts / rates[name], 1) if calibrated else None}
+        log.info("node %s: %d shards, %d prompts (rate %.3g, %.0f%% of the run's)", name, len(mine), prompts,
+                 rates[name], 100 * rates[name] / total_rate)
+    for name, why in left_out.items():
+        log.warning("node %s is left out: %s", name, why)
+    return report, assigned
 
 
 def split_report(layout: RunLayout) -> dict | None:
