@@ -306,32 +306,14 @@ def fingerprint(cfg: RunConfig, candidate_s: float, extra: list[str]) -> str:
 # ---------------------------------------------------------------------------------------------------- CLI
 def _emulate(ns) -> dict:
     """Launch one emulated server with the DAG's launcher and gates, plan the prompts, tune; stop everything."""
-    import tempfile
+    from dflash_regen.emulated import emulated_run
 
-    from dflash_regen import planning
-    from dflash_regen.config import DEFAULTS, DEMO_PROMPTS
-    from dflash_regen.demo_model import write_demo_model
-    from dflash_regen.demo_prompts import write_demo_prompts
-
-    with tempfile.TemporaryDirectory(prefix="dflash-autotune-") as tmp:
-        root = Path(tmp)
-        params = {**DEFAULTS, "server_command": "emulator", "num_servers": 1, "output_root": str(root),
-                  "server_flags": ns.server_flags, "emulator_profile": json.loads(ns.profile),
-                  "base_port": ns.port, "prompt_source": ns.prompt_source, "min_kv_tokens": 0,
-                  "min_running_requests": 1, "staging_dir": str(root / "model"),
-                  "calibration_prompts": ns.calibration_prompts}
-        cfg = RunConfig.from_params(params, "autotune")
-        model = write_demo_model(root / "model")
-        source = Path(ns.prompt_source) if ns.prompt_source != DEMO_PROMPTS else write_demo_prompts(
-            root / "prompts.jsonl", ns.demo_prompts)
-        plan = planning.plan_shards(source, cfg.layout, replace(cfg.plan, max_bad_share=1.0))
-        with fleet.running(cfg.fleet, model, cfg.fleet_dir) as servers:
-            key = fleet.read_api_key(cfg.fleet_dir)
-            atomic.write_json(cfg.layout.node_report("health"), probes.health_gate(servers, key, cfg.fleet))
-            shape = capacity.RunShape(ns.prompts or plan["accepted"], ns.servers, ns.shard_size, 0,
-                                      ns.mean_output_tokens)
-            return tune(cfg, model, plan["shards"], plan["accepted"], candidate_s=ns.candidate_s,
-                        budget_s=ns.budget_s, extra=ns.candidate or [], shape=shape)
+    with emulated_run(ns, "autotune", ns.demo_prompts, calibration_prompts=ns.calibration_prompts) as run:
+        atomic.write_json(run.cfg.layout.node_report("health"), run.health)
+        shape = capacity.RunShape(ns.prompts or run.plan["accepted"], ns.servers, ns.shard_size, 0,
+                                  ns.mean_output_tokens)
+        return tune(run.cfg, run.model, run.plan["shards"], run.plan["accepted"], candidate_s=ns.candidate_s,
+                    budget_s=ns.budget_s, extra=ns.candidate or [], shape=shape)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -7,8 +7,6 @@ import argparse
 import json
 import logging
 import sys
-import tempfile
-from dataclasses import replace
 from pathlib import Path
 
 from dflash_regen import atomic, capacity
@@ -39,29 +37,13 @@ def _shape(ns, default: RunShape) -> RunShape:
 
 def _emulate(ns) -> dict:
     """Launch one emulated server with the DAG's launcher, gate it, plan the prompts, calibrate, stop it."""
-    from dflash_regen import fleet, planning, probes
-    from dflash_regen.config import DEFAULTS, DEMO_PROMPTS, RunConfig
-    from dflash_regen.demo_model import write_demo_model
-    from dflash_regen.demo_prompts import write_demo_prompts
+    from dflash_regen.emulated import emulated_run
 
-    with tempfile.TemporaryDirectory(prefix="dflash-capacity-") as tmp:
-        root = Path(tmp)
-        params = {**DEFAULTS, "server_command": "emulator", "num_servers": 1, "output_root": str(root),
-                  "server_flags": ns.server_flags, "emulator_profile": json.loads(ns.profile),
-                  "base_port": ns.port, "prompt_source": ns.prompt_source, "min_kv_tokens": 0,
-                  "min_running_requests": 1, "staging_dir": str(root / "model")}
-        cfg = RunConfig.from_params(params, "capacity")
-        model = write_demo_model(root / "model")
-        source = Path(ns.prompt_source) if ns.prompt_source != DEMO_PROMPTS else write_demo_prompts(
-            root / "prompts.jsonl")
-        plan = planning.plan_shards(source, cfg.layout, replace(cfg.plan, max_bad_share=1.0))
-        with fleet.running(cfg.fleet, model, cfg.fleet_dir) as servers:
-            key = fleet.read_api_key(cfg.fleet_dir)
-            health = probes.health_gate(servers, key, cfg.fleet)
-            shape = _shape(ns, RunShape(plan["accepted"], 1, cfg.plan.shard_size, cfg.generation.in_flight))
-            return calibrate(servers[0], key, health, plan["shards"], cfg.generation, shape,
-                             prompts=ns.calibration_prompts, server_flags=ns.server_flags,
-                             train_max_length=ns.train_max_length)
+    with emulated_run(ns, "capacity") as run:
+        shape = _shape(ns, RunShape(run.plan["accepted"], 1, run.cfg.plan.shard_size, run.cfg.generation.in_flight))
+        return calibrate(run.servers[0], run.key, run.health, run.plan["shards"], run.cfg.generation, shape,
+                         prompts=ns.calibration_prompts, server_flags=ns.server_flags,
+                         train_max_length=ns.train_max_length)
 
 
 def main(argv: list[str] | None = None) -> int:
