@@ -1,10 +1,8 @@
 """`bench/run.py --quick` runs the benchmarks at tiny sizes and reports every figure, so the benchmarks
 cannot rot. The figures themselves are not checked: timings belong to `make bench`, never to tests.
 
-Two benchmarks are left to `make bench` here: at --quick sizes their cost is all process starts and fleet
-launches (~40% of the smoke), and tests run the same code paths: `airflow_overhead` is `dag.test` of the
-DAG plus the task bodies called directly (tests/e2e, tests/integration), `resume` is a shard task
-SIGKILLed mid-shard and resumed (tests/integration/test_generation.py).
+Two runs, so the two pytest workers share them: `airflow_overhead` and `resume` (figures 3 and 7, whose cost at
+--quick sizes is all process starts and fleet launches), and the rest.
 """
 
 import json
@@ -12,8 +10,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
-LEFT_TO_MAKE_BENCH = {"airflow_overhead": 3, "resume": 7}  # benchmark -> its figure
+APART = {"airflow_overhead": 3, "resume": 7}  # benchmark -> its figure: the second run
 
 
 def benchmarks() -> list[str]:
@@ -23,16 +23,17 @@ def benchmarks() -> list[str]:
     return BENCHMARKS
 
 
-def test_quick_bench_reports_every_figure_with_raw_numbers_and_a_ratio(tmp_path):
-    assert LEFT_TO_MAKE_BENCH.keys() < set(benchmarks())
-    only = [b for b in benchmarks() if b not in LEFT_TO_MAKE_BENCH]
+@pytest.mark.parametrize("apart", [False, True], ids=["most", "overhead-and-resume"])
+def test_quick_bench_reports_every_figure_with_raw_numbers_and_a_ratio(tmp_path, apart):
+    assert APART.keys() < set(benchmarks())
+    only = [b for b in benchmarks() if (b in APART) == apart]
     done = subprocess.run([sys.executable, str(ROOT / "bench" / "run.py"), "--quick", "--out", str(tmp_path),
                            "--only", *only], capture_output=True, text=True, timeout=900, check=False)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
     report = json.loads((tmp_path / "latest.json").read_text())
     assert report["quick"] and report["machine"]["cores"] >= 1
     figures = report["figures"]
-    expected = set(range(1, 9)) - set(LEFT_TO_MAKE_BENCH.values())
+    expected = set(APART.values()) if apart else set(range(1, 9)) - set(APART.values())
     assert {f["figure"] for f in figures} == expected
     for f in figures:
         assert f["name"] and f["ratio_of"] and f["ideal"] and "ratio" in f, f
