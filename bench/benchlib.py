@@ -189,13 +189,13 @@ def plain_client(url: str, key: str, rows: list[dict], settings, threads: int = 
     """
     import requests
 
-    from dflash_regen import generation
+    from dflash_regen import generator
 
     session = requests.Session()
 
     def send(row: dict) -> int:
-        seed = generation.sample_seed(row["sample_id"], settings.seed)
-        body = generation.chat_payload(json.loads(row["messages"]), json.loads(row["tools"]) if row["tools"] else None,
+        seed = generator.sample_seed(row["sample_id"], settings.seed)
+        body = generator.chat_payload(json.loads(row["messages"]), json.loads(row["tools"]) if row["tools"] else None,
                                        settings, seed, settings.sampling.max_tokens)
         resp = session.post(f"{url}/v1/chat/completions", json=body, timeout=3600,
                             headers={"Authorization": f"Bearer {key}"})

@@ -38,7 +38,7 @@ from benchlib import (
     write_result,
 )
 
-from dflash_regen import generation
+from dflash_regen import checkpoints, generation
 from dflash_regen.config import RunConfig
 
 
@@ -68,7 +68,7 @@ def main() -> None:
         argv = cli_argv("shard", fl.params, "interrupted", json.dumps(shards["interrupted"]), folder=work)
         started = time.monotonic()
         proc = spawn(argv, work / "killed.log")
-        while (done := len(generation.read_done(paths.parts, paths.output))) < args.prompts / 2:
+        while (done := len(checkpoints.read_done(paths.parts, paths.output))) < args.prompts / 2:
             if proc.poll() is not None:
                 raise RuntimeError(f"the shard task ended before half the shard was checkpointed; see {work}")
             time.sleep(0.05)

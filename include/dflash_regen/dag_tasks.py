@@ -272,7 +272,7 @@ def calibrate(params: dict, run_id: str, launched: dict, shards: list[dict], nod
     servers, key = _servers(cfg, launched)
     health = json.loads(cfg.layout.node_report("health").read_text())
     fleet_dir = Path(launched["fleet_dir"])
-    healthy = generation.healthy_servers(fleet_dir, servers)
+    healthy = fleet.healthy_servers(fleet_dir, servers)
     shape = capacity.RunShape(prompts=_accepted(shards), servers=len(healthy), shard_size=cfg.plan.shard_size,
                               concurrency_per_server=cfg.generation.in_flight)
     with fleet.lease(fleet_dir, healthy, 0, wait_s=cfg.fleet.ready_timeout_s) as server:
@@ -300,7 +300,7 @@ def node_ready(params: dict, run_id: str, calibrated: dict, node: dict) -> dict:
     """Several nodes: this node passed every gate; its rate (prompts/s of its healthy servers, measured by
     calibrate) decides its share of the shards. Not a setup: a cleared shard does not re-decide the split."""
     cfg = _cfg(params, run_id, node)
-    healthy = generation.healthy_servers(cfg.fleet_dir, fleet.load_servers(cfg.fleet_dir))
+    healthy = fleet.healthy_servers(cfg.fleet_dir, fleet.load_servers(cfg.fleet_dir))
     report = capacity.read_report(cfg.node_reports_dir) if calibrated.get("calibrated") else None
     rps = report["scenarios"][0]["requests_per_s_per_server"] * len(healthy) if report else None
     ready = {"node": cfg.node, "servers": len(healthy), "prompts_per_s": rps}

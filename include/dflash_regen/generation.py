@@ -55,16 +55,11 @@ from dflash_regen.fleet import (
     mark_unhealthy,
     read_api_key,
 )
-from dflash_regen.generator import Generator, Stopped, chat_payload, sample_seed
+from dflash_regen.generator import Generator, Stopped
 from dflash_regen.layout import COMPLETIONS, FAILURES, FleetFiles, RunLayout
 from dflash_regen.planning import TokenCounter
 from dflash_regen.prompts import Prompt
 from dflash_regen.schemas import COMPLETION, QUARANTINE
-
-# Also here for the callers that know them as generation's (tests, bench): the request and checkpoint rules.
-__all__ = ["Generator", "ShardPaths", "chat_payload", "generate_shard", "healthy_servers",
-           "merge_parts", "read_done", "record_failure", "run_shard", "sample_seed", "servers_failed_on",
-           "write_part"]
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from dflash_regen import fleet, generation, schemas
+from dflash_regen import checkpoints, fleet, generation, generator, schemas
 from dflash_regen.demo_prompts import write_demo_prompts
 from dflash_regen.errors import NoServerFree
 from dflash_regen.fleet import is_alive, load_servers
@@ -55,7 +55,7 @@ def test_a_shard_completes_once_with_the_generation_mode_recorded(launch, tmp_pa
     assert pq.read_schema(cfg.layout.merged(FAILURES, 0)) == schemas.QUARANTINE  # empty, with its schema
     row = rows[0]
     assert row["enable_thinking"] and row["reasoning_parser"] == "qwen3" and row["served_model"] == "qwen3.6-27b"
-    assert row["temperature"] == pytest.approx(0.6) and row["seed"] == generation.sample_seed(row["sample_id"], 0)
+    assert row["temperature"] == pytest.approx(0.6) and row["seed"] == generator.sample_seed(row["sample_id"], 0)
     assert all(r["reasoning_content"] and r["finish_reason"] in {"stop", "tool_calls"} for r in rows)
     assert any(r["tool_calls"] for r in rows)  # the demo set has tool prompts
     again, _ = run_shard(cfg, key, shard)
@@ -120,7 +120,7 @@ def test_server_killed_mid_shard_fails_over_with_nothing_lost_or_duplicated(laun
         run_shard(cfg, key, shard, checkpoint_every=5, stall_s=5, request_retries=1)
     killer.join()
     assert cfg.layout.fleet.unhealthy(0).exists() and not is_alive(servers[0])
-    before = generation.read_done(parts, cfg.layout.merged(COMPLETIONS, 0))
+    before = checkpoints.read_done(parts, cfg.layout.merged(COMPLETIONS, 0))
     assert 0 < len(before) < 60
     # The first line says what happened to which server and what the retry will do; the log tail follows.
     first, *rest = str(failure.value).splitlines()
@@ -182,7 +182,7 @@ run_shard(RunConfig.from_params(job["params"], "test_run"), job["key"], job["sha
     proc.send_signal(signal.SIGKILL)
     proc.wait(10)
     assert not cfg.layout.merged(COMPLETIONS, 0).exists()
-    done_before = generation.read_done(parts, cfg.layout.merged(COMPLETIONS, 0))
+    done_before = checkpoints.read_done(parts, cfg.layout.merged(COMPLETIONS, 0))
     assert len(done_before) >= 9
     result, _ = run_shard(cfg, key, shard)
     got = ids_of(result["path"])
