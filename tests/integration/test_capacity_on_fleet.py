@@ -2,6 +2,7 @@
 
 import json
 import logging
+import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
@@ -127,3 +128,31 @@ def test_a_run_can_apply_the_advised_client_concurrency_and_its_eta_uses_the_cal
     assert result["completed"] == 20
     assert "18 in flight" in caplog.text  # not the server's 16 slots
     assert "(calibrated rate)" in caplog.text  # 20 results < two batches of 18: the shard's own rate is too young
+
+
+def test_the_planner_cli_emulates_a_gated_server_calibrates_it_and_replans_from_its_report(tmp_path,
+                                                                                         no_leftover_servers):
+    """`python -m dflash_regen.capacity emulate` (the README's command): one emulated server launched and gated
+    by the DAG's code, calibrated on the demo prompts; `plan` re-plans a bigger run from the stored report."""
+    import subprocess
+    import sys
+
+    from conftest import FAST_PROFILE, free_port_block
+
+    report_path = tmp_path / "capacity.json"
+    done = subprocess.run([sys.executable, "-m", "dflash_regen.capacity", "emulate", "--profile",
+                           json.dumps(FAST_PROFILE), "--port", str(free_port_block(1)), "--prompts", "1000",
+                           "--servers", "2", "--json", str(report_path)], capture_output=True, text=True,
+                          timeout=300, check=False,
+                          env={**os.environ, "TMPDIR": str(tmp_path)})  # no_leftover_servers sees its server
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    report = json.loads(report_path.read_text())
+    assert report["run"]["prompts"] == 1000 and report["run"]["servers"] == 2
+    assert report["calibration"]["levels"] and report["binding"]
+    assert "current: cookbook flags" in done.stdout
+    replanned = subprocess.run([sys.executable, "-m", "dflash_regen.capacity", "plan", str(report_path),
+                                "--prompts", "902087", "--servers", "7"], capture_output=True, text=True,
+                               timeout=120, check=False)
+    assert replanned.returncode == 0, replanned.stderr[-2000:]
+    assert replanned.stdout.startswith("run: 902,087 prompts") and "on 7 servers" in replanned.stdout, \
+        replanned.stdout[-2000:]
