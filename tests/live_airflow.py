@@ -201,6 +201,19 @@ class LiveAirflow:
         return {ti["task_id"] + (f"[{ti['map_index']}]" if ti["map_index"] >= 0 else ""): ti["state"]
                 for ti in self.task_instances(run_id)}
 
+    def failures(self, run_id: str, lines: int = 25) -> str:
+        """Each failed task of the run with the end of its log: what an assertion on a run's state shows."""
+        out = []
+        for ti in self.task_instances(run_id):
+            if ti["state"] in ("failed", "upstream_failed") and ti["try_number"]:
+                try:
+                    log = self.task_log(run_id, ti["task_id"], ti["try_number"], ti["map_index"])
+                except (AssertionError, requests.RequestException, ValueError, KeyError) as exc:
+                    log = f"(log not readable: {exc})"
+                tail = "\n".join(log.splitlines()[-lines:])
+                out.append(f"--- {ti['task_id']}[{ti['map_index']}] try {ti['try_number']}: {ti['state']}\n{tail}")
+        return "\n".join(out) or "no failed task"
+
     def task_log(self, run_id: str, task_id: str, try_number: int, map_index: int = -1) -> str:
         r = self.api("GET", f"/api/v2/dags/{DAG_ID}/dagRuns/{run_id}/taskInstances/{task_id}/logs/{try_number}",
                      params={"map_index": map_index, "full_content": True}, headers={"Accept": "application/json"})

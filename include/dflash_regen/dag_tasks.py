@@ -275,9 +275,14 @@ def calibrate(params: dict, run_id: str, launched: dict, shards: list[dict], nod
     healthy = fleet.healthy_servers(fleet_dir, servers)
     shape = capacity.RunShape(prompts=_accepted(shards), servers=len(healthy), shard_size=cfg.plan.shard_size,
                               concurrency_per_server=cfg.generation.in_flight)
+    tuned = autotune.applied_flags(cfg.node_reports_dir)  # the fleet runs the autotuned flags on top
+    flags = " ".join(x for x in (cfg.fleet.server_flags, tuned or "") if x)
+    print_ = capacity.fingerprint(cfg, flags, shape)
+    report = capacity.read_report(cfg.node_reports_dir)
+    if report and report.get("fingerprint") == print_:  # a cleared shard re-runs the setups: no GPU minutes again
+        log.info("calibrate: reusing reports/capacity.json from an earlier attempt (same fleet settings and run)")
+        return _calibrated(report)
     with fleet.lease(fleet_dir, healthy, 0, wait_s=cfg.fleet.ready_timeout_s) as server:
-        tuned = autotune.applied_flags(cfg.node_reports_dir)  # the fleet runs the autotuned flags on top
-        flags = " ".join(x for x in (cfg.fleet.server_flags, tuned or "") if x)
         try:
             report = capacity.calibrate(server, key, health, shards, cfg.generation, shape,
                                         prompts=cfg.capacity.calibration_prompts, server_flags=flags,
@@ -289,10 +294,14 @@ def calibrate(params: dict, run_id: str, launched: dict, shards: list[dict], nod
             if not fleet.is_alive(server):  # so the retry measures another server, as a shard's would
                 fleet.mark_unhealthy(fleet_dir, server, str(exc))
             raise
+    report["fingerprint"] = print_
     write_report(cfg, "capacity", report)
     log.info("capacity plan (reports/capacity.json):\n%s", capacity.format_table(report))
-    current = report["scenarios"][0]
-    return {"calibrated": True, "binding": report["binding"]["resource"], "wall_s": current["wall_s"],
+    return _calibrated(report)
+
+
+def _calibrated(report: dict) -> dict:
+    return {"calibrated": True, "binding": report["binding"]["resource"], "wall_s": report["scenarios"][0]["wall_s"],
             "advised_flags": report["advice"]["server_flags"]}
 
 

@@ -99,7 +99,7 @@ def test_9_and_10_node_dies_mid_run_the_same_run_id_resumes_and_publish_killed_m
     # Case 10, on the rerun: publish is killed mid-copy; its own retry publishes once.
     published = af.output_root / "published" / dataset
     kill_publish_mid_copy(af, run_id, published)
-    assert af.wait_run(run_id, timeout_s=600) == "success", af.task_states(run_id)
+    assert af.wait_run(run_id, timeout_s=600) == "success", af.failures(run_id)
     versions = sorted(p.name for p in published.iterdir())
     assert versions == [safe_run_id(run_id)] == [folder.name], \
         f"published more than once or left a temporary dir: {versions}"

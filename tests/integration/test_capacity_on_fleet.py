@@ -130,6 +130,28 @@ def test_a_run_can_apply_the_advised_client_concurrency_and_its_eta_uses_the_cal
     assert "(calibrated rate)" in caplog.text  # 20 results < two batches of 18: the shard's own rate is too young
 
 
+def test_a_rerun_of_calibrate_reuses_its_measurement_and_measures_again_when_a_setting_changed(launch, tmp_path):
+    """A cleared shard re-runs the setups: calibrate must not spend the GPU's minutes measuring the same again."""
+    from dflash_regen import dag_tasks
+    from dflash_regen.sglang import Api
+
+    cfg, servers, key = launch(num_servers=1, calibration_prompts=32)
+    plan = planned(cfg, tmp_path, 40, shard_size=20)
+    dag_tasks.write_report(cfg, "health", probes.health_gate(servers, key, cfg.fleet))
+    launched = {"fleet_dir": str(cfg.fleet_dir)}
+
+    def tokens_served() -> float:
+        return capacity.read_metrics(Api(servers[0].url, key))[0]
+
+    first = dag_tasks.calibrate(launch.params, "test_run", launched, plan["shards"])
+    served = tokens_served()
+    assert first["calibrated"] and served > 0
+    assert dag_tasks.calibrate(launch.params, "test_run", launched, plan["shards"]) == first
+    assert tokens_served() == served, "the rerun measured again"
+    again = dag_tasks.calibrate({**launch.params, "calibration_prompts": 40}, "test_run", launched, plan["shards"])
+    assert again["calibrated"] and tokens_served() > served, "a rerun with another sample size reused the old one"
+
+
 def test_the_planner_cli_emulates_a_gated_server_calibrates_it_and_replans_from_its_report(tmp_path,
                                                                                          no_leftover_servers):
     """`python -m dflash_regen.capacity emulate` (the README's command): one emulated server launched and gated

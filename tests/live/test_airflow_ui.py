@@ -175,9 +175,11 @@ def test_user_triggers_from_the_form_a_rest_client_and_the_user_each_clear_one_f
     page.screenshot(path=screenshots / "01-logged-in.png")
 
     # 4 shards on 4 servers (fewer tasks and processes: each costs seconds on a loaded 2-core box), each shard
-    # on its own server; the smallest calibration: twice the 16 slots.
+    # on its own server; the smallest calibration: twice the 16 slots; autotune measures the current settings only
+    # (the other candidates are over its budget; tests/integration/test_autotune_on_fleet.py tries them).
     form = {("Fleet", "num_servers"): "4", ("Prompts", "shard_size"): "30", ("Dispatch", "checkpoint_every"): "4",
-            ("Dispatch", "calibration_prompts"): "32"}
+            ("Dispatch", "calibration_prompts"): "32", ("Dispatch", "autotune_candidate_s"): "2",
+            ("Dispatch", "autotune_budget_s"): "6"}
     run_id = trigger_from_form(page, af, form, screenshots / "02-trigger-form.png")
     folder = run_dir(af, run_id)
     # The faults land once each shard has results on disk.

@@ -43,12 +43,21 @@ from dflash_regen.capacity.model import (
     simulate_shard,
     train_length_budget,
 )
-from dflash_regen.capacity.report import REPORT, calibrate, format_table, plan_report, read_report, table_rows
+from dflash_regen.capacity.report import (
+    REPORT,
+    calibrate,
+    fingerprint,
+    format_table,
+    plan_report,
+    read_report,
+    table_rows,
+)
 from dflash_regen.errors import CapacityError, TooFewPrompts
 
 __all__ = [
     "COMPUTE_GAIN", "GRAPH_BATCH", "KV_HEADROOM", "REPORT", "Binding", "CapacityError", "Curve", "Memory", "RunShape",
-    "TooFewPrompts", "advise", "binding_resource", "calibrate", "client_concurrency", "format_table", "levels_for",
+    "TooFewPrompts", "advise", "binding_resource", "calibrate", "client_concurrency", "fingerprint", "format_table",
+    "levels_for",
     "makespan", "measure_server", "memories", "plan_report", "predict", "read_metrics", "read_report",
     "running_batch", "sample_prompts", "simulate_shard", "table_rows", "train_length_budget",
 ]

@@ -3,6 +3,7 @@ scenarios (current, advised, train-length budget), and the table the task logs a
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 from dataclasses import asdict
@@ -21,7 +22,7 @@ from dflash_regen.capacity.model import (
     running_batch,
     train_length_budget,
 )
-from dflash_regen.config import GenerationSettings
+from dflash_regen.config import GenerationSettings, RunConfig
 from dflash_regen.errors import CapacityError, TooFewPrompts
 from dflash_regen.fleet import Server
 
@@ -130,6 +131,14 @@ def format_table(report: dict) -> str:
 def read_report(reports_dir: Path) -> dict | None:
     path = reports_dir / REPORT
     return json.loads(path.read_text()) if path.is_file() else None
+
+
+def fingerprint(cfg: RunConfig, server_flags: str, shape: RunShape) -> str:
+    """What a calibration was measured for (the fleet as launched, its extra flags, the sampling, the sample size,
+    the run's shape), hashed: a rerun of the setup with the same reuses the stored report, any other measures."""
+    what = {"fleet": asdict(cfg.fleet), "server_flags": server_flags, "generation": asdict(cfg.generation),
+            "capacity": asdict(cfg.capacity), "shape": asdict(shape), "train_max_length": cfg.plan.train_max_length}
+    return hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()
 
 
 def calibrate(server: Server, api_key: str, health: dict, shards: list[dict], settings: GenerationSettings,
