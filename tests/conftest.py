@@ -200,7 +200,7 @@ def _slowness(item) -> int:
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which turns the mark into the node id's @group
 def pytest_collection_modifyitems(items):
     """Under pytest-xdist (`--dist loadgroup`), every test of the one live Airflow runs on one worker, so the
-    session starts it once (xdist hands out the largest group first); the other worker takes the rest of the
+    session starts it once (xdist hands out the largest group first); the other workers take the rest of the
     suite meanwhile, slowest first."""
     for item in items:
         if "live_airflow" in getattr(item, "fixturenames", ()):
