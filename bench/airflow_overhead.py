@@ -8,7 +8,8 @@ For N = 1, 10, 100 one-prompt shards on a zero-latency emulated fleet (one serve
   `validate` and `publish` are marked success instead of run (`mark_success_pattern`): their work is not
   in the direct path either, but their N + 2 task instances still pass through Airflow.
 Overhead per shard = (Airflow wall - direct wall) / N. This process gets its own AIRFLOW_HOME (a fresh,
-migrated SQLite DB) the way tests/conftest.py sets one up.
+migrated SQLite DB) the way tests/conftest.py sets one up; env DFLASH_BENCH_AIRFLOW_DB names an already migrated
+DB to copy instead (the bench smoke test passes the test session's).
 
     .venv/bin/python bench/airflow_overhead.py [--shards 1 10 100] [--quick]
 """
@@ -16,6 +17,7 @@ migrated SQLite DB) the way tests/conftest.py sets one up.
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -30,9 +32,13 @@ def own_airflow_home() -> str:
     sys.path.insert(0, str(ROOT / "tests"))
     import conftest  # noqa: F401  sets AIRFLOW_HOME to a fresh temp dir and the rest of the test environment
 
-    airflow = Path(sys.executable).parent / "airflow"
-    subprocess.run([str(airflow), "db", "migrate"], capture_output=True, check=True, timeout=600)
-    return os.environ["AIRFLOW_HOME"]
+    home = os.environ["AIRFLOW_HOME"]
+    if template := os.environ.get("DFLASH_BENCH_AIRFLOW_DB"):
+        shutil.copyfile(template, Path(home) / "airflow.db")
+    else:
+        airflow = Path(sys.executable).parent / "airflow"
+        subprocess.run([str(airflow), "db", "migrate"], capture_output=True, check=True, timeout=600)
+    return home
 
 
 def params_for(work: Path, label: str, shards: int) -> dict:

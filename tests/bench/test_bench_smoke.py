@@ -6,6 +6,7 @@ Two runs, so the two pytest workers share them: `airflow_overhead` and `resume` 
 """
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -24,11 +25,12 @@ def benchmarks() -> list[str]:
 
 
 @pytest.mark.parametrize("apart", [False, True], ids=["most", "overhead-and-resume"])
-def test_quick_bench_reports_every_figure_with_raw_numbers_and_a_ratio(tmp_path, apart):
+def test_quick_bench_reports_every_figure_with_raw_numbers_and_a_ratio(tmp_path, apart, airflow_db_template):
     assert APART.keys() < set(benchmarks())
     only = [b for b in benchmarks() if (b in APART) == apart]
+    env = {**os.environ, "DFLASH_BENCH_AIRFLOW_DB": str(airflow_db_template)}  # not a second `airflow db migrate`
     done = subprocess.run([sys.executable, str(ROOT / "bench" / "run.py"), "--quick", "--out", str(tmp_path),
-                           "--only", *only], capture_output=True, text=True, timeout=900, check=False)
+                           "--only", *only], capture_output=True, text=True, timeout=900, check=False, env=env)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
     report = json.loads((tmp_path / "latest.json").read_text())
     assert report["quick"] and report["machine"]["cores"] >= 1
