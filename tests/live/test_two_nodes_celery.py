@@ -181,8 +181,8 @@ def test_two_nodes_split_by_speed_and_a_node_killed_mid_run_loses_nothing(two_no
         time.sleep(1)
     worker(af, "slow", "slow")  # the node comes back
     states = af.wait_settled(run_id, timeout_s=300)
-    # What the dead worker was running failed: a shard's generate, and the tokenize of a shard that had finished
-    # generating when a loaded machine gives the slow node two shards. The operator clears each of them.
+    # What the dead worker was running failed: its shard's generate (and a tokenize, had one been running then).
+    # The operator clears each of them.
     failed = [[k.split("[")[0], int(k.split("[")[1].rstrip("]"))] for k, s in states.items()
               if k.startswith(("slow.generate[", "slow.tokenize[")) and s == "failed"]
     assert any(task_id == "slow.generate" for task_id, _ in failed), states
