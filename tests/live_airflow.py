@@ -202,8 +202,9 @@ class LiveAirflow:
                 for ti in self.task_instances(run_id)}
 
     def failures(self, run_id: str, lines: int = 25) -> str:
-        """Each failed task of the run with the end of its log: what an assertion on a run's state shows."""
-        out = []
+        """Every task's state, then each failed task with the end of its log: what an assertion on a run's state
+        shows (a string: pytest prints a dict message cut short)."""
+        out = [json.dumps(self.task_states(run_id))]
         for ti in self.task_instances(run_id):
             if ti["state"] in ("failed", "upstream_failed") and ti["try_number"]:
                 try:
@@ -212,7 +213,7 @@ class LiveAirflow:
                     log = f"(log not readable: {exc})"
                 tail = "\n".join(log.splitlines()[-lines:])
                 out.append(f"--- {ti['task_id']}[{ti['map_index']}] try {ti['try_number']}: {ti['state']}\n{tail}")
-        return "\n".join(out) or "no failed task"
+        return "\n".join(out)
 
     def task_log(self, run_id: str, task_id: str, try_number: int, map_index: int = -1) -> str:
         r = self.api("GET", f"/api/v2/dags/{DAG_ID}/dagRuns/{run_id}/taskInstances/{task_id}/logs/{try_number}",

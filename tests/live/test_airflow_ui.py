@@ -135,6 +135,8 @@ def fail_shards(af: LiveAirflow, run_id: str, victims: dict[int, str], dataset: 
     assert all(states[k] == "failed" for k in failed) and others, states
     assert all(states[k] == "success" for k in others), states
     assert states["publish"] == "upstream_failed" and states["stop_fleet"] == "success", states
+    report = af.failures(run_id)  # what the live tests print when a run ends otherwise than they expect
+    assert all(f"--- generate[{shard}] try 1: failed\n" in report for shard in victims), report
     assert not (af.output_root / "published" / dataset).exists(), "a failed run published something"
     return {shard: killer.killed for shard, killer in killers.items()}
 
