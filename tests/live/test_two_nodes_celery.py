@@ -174,12 +174,14 @@ def test_two_nodes_split_by_speed_and_a_node_killed_mid_run_loses_nothing(two_no
             pass
     af.procs.pop("worker-slow").wait(timeout=30)
     kept = results_on_disk(folder, slow)
+    # The node comes back at once: nothing of its in-flight tasks survived, so the scheduler still fails them when
+    # their heartbeats stop, and the new worker is up by then to run the node's teardown.
+    worker(af, "slow", "slow")
 
-    deadline = time.monotonic() + 180  # the scheduler fails tasks whose worker stopped heartbeating
+    deadline = time.monotonic() + 180
     while not any(s == "failed" for k, s in af.task_states(run_id).items() if k.startswith("slow.generate")):
         assert time.monotonic() < deadline, af.task_states(run_id)
         time.sleep(1)
-    worker(af, "slow", "slow")  # the node comes back
     states = af.wait_settled(run_id, timeout_s=300)
     # What the dead worker was running failed: its shard's generate (and a tokenize, had one been running then).
     # The operator clears each of them.
