@@ -196,16 +196,17 @@ class LiveAirflow:
         r = self.api("GET", f"/api/v2/dags/{DAG_ID}/dagRuns/{run_id}/taskInstances", params={"limit": 500})
         return r.json()["task_instances"]
 
-    def task_states(self, run_id: str) -> dict[str, str]:
-        """'task' or 'task[i]' -> state."""
+    def task_states(self, run_id: str, tis: list[dict] | None = None) -> dict[str, str]:
+        """'task' or 'task[i]' -> state (of `tis`, the run's task instances when given)."""
         return {ti["task_id"] + (f"[{ti['map_index']}]" if ti["map_index"] >= 0 else ""): ti["state"]
-                for ti in self.task_instances(run_id)}
+                for ti in (self.task_instances(run_id) if tis is None else tis)}
 
     def failures(self, run_id: str, lines: int = 25) -> str:
         """Every task's state, then each failed task with the end of its log: what an assertion on a run's state
         shows (a string: pytest prints a dict message cut short)."""
-        out = [json.dumps(self.task_states(run_id))]
-        for ti in self.task_instances(run_id):
+        tis = self.task_instances(run_id)
+        out = [json.dumps(self.task_states(run_id, tis))]
+        for ti in tis:
             if ti["state"] in ("failed", "upstream_failed") and ti["try_number"]:
                 try:
                     log = self.task_log(run_id, ti["task_id"], ti["try_number"], ti["map_index"])
