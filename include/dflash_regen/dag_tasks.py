@@ -270,7 +270,6 @@ def calibrate(params: dict, run_id: str, launched: dict, shards: list[dict], nod
         log.info("calibration skipped (Param calibration_prompts = 0)")
         return {"calibrated": False}
     servers, key = _servers(cfg, launched)
-    health = json.loads(cfg.layout.node_report("health").read_text())
     fleet_dir = Path(launched["fleet_dir"])
     healthy = fleet.healthy_servers(fleet_dir, servers)
     shape = capacity.RunShape(prompts=_accepted(shards), servers=len(healthy), shard_size=cfg.plan.shard_size,
@@ -282,6 +281,7 @@ def calibrate(params: dict, run_id: str, launched: dict, shards: list[dict], nod
     if report and report.get("fingerprint") == print_:  # a cleared shard re-runs the setups: no GPU minutes again
         log.info("calibrate: reusing reports/capacity.json from an earlier attempt (same fleet settings and run)")
         return _calibrated(report)
+    health = json.loads(cfg.layout.node_report("health").read_text())
     with fleet.lease(fleet_dir, healthy, 0, wait_s=cfg.fleet.ready_timeout_s) as server:
         try:
             report = capacity.calibrate(server, key, health, shards, cfg.generation, shape,
