@@ -184,13 +184,17 @@ class LiveAirflow:
                              f"{self.task_states(run_id)}\n{self.log_tail('scheduler')}")
 
     def wait_settled(self, run_id: str, timeout_s: float = 120) -> dict[str, str]:
-        """Wait until no task of the run is still going (a run can be 'failed' while its teardown runs)."""
+        """Wait until no task of the run is still going (a run can be 'failed' while its teardown runs) and the run
+        has ended: the scheduler sets its state a moment after its last task, and a clear in that moment finds it
+        running, leaves it so (Airflow re-queues only a finished run), and the scheduler's verdict then fails it
+        with the cleared tasks never scheduled."""
         deadline = time.monotonic() + timeout_s
         while (states := self.task_states(run_id)) and time.monotonic() < deadline:
-            if not set(states.values()) & {"running", "queued", "scheduled", "up_for_retry", "restarting", None}:
+            if not set(states.values()) & {"running", "queued", "scheduled", "up_for_retry", "restarting", None} \
+                    and self.run_state(run_id) in FINISHED:
                 return states
             time.sleep(1)
-        raise AssertionError(f"run {run_id} did not settle in {timeout_s:.0f} s: {states}")
+        raise AssertionError(f"run {run_id} did not settle in {timeout_s:.0f} s: {self.run_state(run_id)}, {states}")
 
     def task_instances(self, run_id: str) -> list[dict]:
         r = self.api("GET", f"/api/v2/dags/{DAG_ID}/dagRuns/{run_id}/taskInstances", params={"limit": 500})
