@@ -64,9 +64,10 @@ PARAMS = {name: Param(**spec) for name, spec in trigger_form(DEPLOYMENT, nodes=b
     default_args={"retries": 1, "retry_delay": dt.timedelta(seconds=10), **NODE_QUEUE},
 )
 def dflash_regen():
+    # After planning: when the completion store holds every prompt's completion it skips (and the fleet with it).
     @task
-    def stage_weights(params=None, run_id=None) -> dict:
-        return dag_tasks.stage_weights(params, run_id)
+    def stage_weights(shards: list[dict], params=None, run_id=None) -> dict:
+        return dag_tasks.stage_weights(params, run_id, shards)
 
     @setup
     @task
@@ -104,9 +105,10 @@ def dflash_regen():
     def generate(shard: dict, params=None, run_id=None, node=None) -> dict:
         return dag_tasks.generate(params, run_id, shard, node=node)
 
-    @task(map_index_template="{{ 'shard %04d' | format(generated.shard) }}")
-    def tokenize(generated: dict, params=None, run_id=None, node=None) -> dict:
-        return dag_tasks.tokenize_shard(params, run_id, generated, node=node)
+    # none_failed: a shard's generate skipped with the fleet (the store supplied it) still leaves it to tokenize.
+    @task(map_index_template="{{ 'shard %04d' | format(shard.shard) }}", trigger_rule="none_failed")
+    def tokenize(generated: dict | None, shard: dict, params=None, run_id=None, node=None) -> dict:
+        return dag_tasks.tokenize_shard(params, run_id, generated, node=node, shard=shard)
 
     @task(retries=0)
     def validate(shards: list[dict], params=None, run_id=None) -> dict:
@@ -144,17 +146,23 @@ def dflash_regen():
             # By keyword: the map index templates read their task's keyword arguments (shard, generated).
             generated = generate.override(task_id=prefix + "generate", **on_node)(shard=shard, node=node)
             ready >> generated >> stop  # the servers are not needed past generation
-            return tokenize.override(task_id=prefix + "tokenize", **on_node)(generated=generated, node=node)
+            tokenized = tokenize.override(task_id=prefix + "tokenize", **on_node)
+            return tokenized(generated=generated, shard=shard, node=node)
 
         return shard_tasks.expand(shard=shards)
 
     if not NODES:
-        staged = stage_weights()
+        shards = plan_shards()  # consults the completion store: what is left to generate
+        staged = stage_weights(shards)
         fleet = launch_fleet(staged)
-        shards = plan_shards()  # runs while the servers load: it needs no GPU
         calibrated = calibrate(fleet, shards)  # measures one server on the run's own prompts, predicts the run
-        chain(health_check(fleet), smoke_test(fleet), autotune(staged, shards), calibrated)
-        tokenized = per_shard(shards, calibrated, stop_fleet(fleet))
+        gates = [health_check(fleet), smoke_test(fleet), autotune(staged, shards), calibrated]
+        chain(*gates)
+        stop = stop_fleet(fleet)
+        # Every setup tied to the teardown: a setup then scopes only the tasks up to it (generate), so fleet setups
+        # skipped for a run the store completes skip no tokenize, validate or publish.
+        gates >> stop
+        tokenized = per_shard(shards, calibrated, stop)
         chain(tokenized, validate(shards), publish(), check_published())
         return
 

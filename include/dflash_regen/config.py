@@ -194,6 +194,7 @@ class GenerationSettings:
     reasoning_parser: str
     max_error_share: float = 0.05  # share of a shard's prompts the servers may refuse (quarantined) before it fails
     train_budget: int = 0  # Param budget train_length: max_tokens = this - the prompt's tokens; 0 = max_tokens
+    run: str = ""  # the run id, recorded with each completion (its source_run)
 
 
 @dataclass(frozen=True)
@@ -238,6 +239,7 @@ class RunConfig:
     node: str = ""  # a node of several (dflash_regen.nodes); "" = the one-node deployment
     autotune: AutotuneSettings = AutotuneSettings()
     budget: str = "full"  # full | train_length: max_tokens per request = train_max_length - its prompt tokens
+    reuse: str = "same_settings"  # same_settings | off: take completions from the store (dflash_regen.store)
 
     @property
     def layout(self) -> RunLayout:
@@ -379,6 +381,7 @@ class RunConfig:
             progress_s=30.0, served_model=served, reasoning_parser=_flag_value(flags, "--reasoning-parser"),
             max_error_share=get("max_generate_error_share"),
             train_budget=plan.train_max_length if budget == "train_length" else 0,
+            run=safe_run_id(run_id),
         )
         quality = QualitySettings(
             empty_mask_tokens=get("empty_mask_tokens"),
@@ -400,4 +403,4 @@ class RunConfig:
                    staging_dir=staging_dir, fleet=fleet, sampling=sampling, prompt_source=prompt_source,
                    plan=plan, generation=generation, quality=quality, capacity=capacity,
                    mask_reasoning=get("mask_reasoning"), dataset_name=get("dataset_name"), node=node,
-                   autotune=autotune, budget=budget)
+                   autotune=autotune, budget=budget, reuse=get("reuse"))

@@ -34,6 +34,7 @@ from dflash_regen import (
     runlock,
     smoke,
     staging,
+    store,
     tokenize,
     tokenized,
 )
@@ -41,7 +42,7 @@ from dflash_regen.config import DEMO_MODEL, DEMO_PROMPTS, RunConfig
 from dflash_regen.demo_model import write_demo_model
 from dflash_regen.demo_prompts import write_demo_prompts
 from dflash_regen.errors import GateFailed, NotRetryable, PublishRefused
-from dflash_regen.layout import FAILURES
+from dflash_regen.layout import COMPLETIONS, FAILURES
 from dflash_regen.nodes import LEFT_OUT, READY
 
 log = logging.getLogger(__name__)
@@ -125,10 +126,21 @@ def _accepted(shards: list[dict]) -> int:
     return sum(s["prompts"] for s in shards)
 
 
+def _to_generate(shards: list[dict]) -> int:
+    """What is left to send: the accepted prompts the completion store did not have (what the fleet is sized for)."""
+    return sum(s.get("to_generate", s["prompts"]) for s in shards)
+
+
 @fail_fast
-def stage_weights(params: dict, run_id: str) -> dict:
+def stage_weights(params: dict, run_id: str, shards: list[dict] | None = None) -> dict:
     cfg = RunConfig.from_params(params, run_id)  # validates every Param before any GPU work
-    return _stage(cfg, _check_inputs(cfg, run_id))
+    source = _check_inputs(cfg, run_id)
+    if shards is not None and store.nothing_to_generate(shards):
+        # Skipped: the fleet setups and its teardown skip after it; tokenize, validate and publish run.
+        raise AirflowSkipException(f"nothing to generate: the completion store holds all {_accepted(shards):,} "
+                                   "prompts' completions under this run's generation settings (reports/plan.json "
+                                   "`reuse`), so no weights are staged and no server is launched or gated")
+    return _stage(cfg, source)
 
 
 @fail_fast
@@ -154,10 +166,24 @@ def _check_inputs(cfg: RunConfig, run_id: str) -> Path:
     if cfg.prompt_source != DEMO_PROMPTS:
         first = inputs.check_prompt_source(Path(cfg.prompt_source), cfg.plan.prompt_format)
         log.info("prompt source %s: first usable row at %s", cfg.prompt_source, first)
-    source = Path(cfg.model_source)
-    if cfg.model_source == DEMO_MODEL:
-        source = write_demo_model(cfg.output_root / "demo-model", with_tokenizer=True)
-        log.info("demo: generated a stand-in model dir at %s", source)
+    return _model_source(cfg)
+
+
+def _model_source(cfg: RunConfig) -> Path:
+    if cfg.model_source != DEMO_MODEL:
+        return Path(cfg.model_source)
+    source = write_demo_model(cfg.output_root / "demo-model", with_tokenizer=True)  # idempotent
+    log.info("demo: a stand-in model dir at %s", source)
+    return source
+
+
+def _model_dir(cfg: RunConfig) -> Path:
+    """Where tokenize and publish read the tokenizer and config: the staged copy when this model was staged, else
+    the source (a run whose every completion came from the store stages nothing)."""
+    marker = cfg.staging_dir / staging.MARKER
+    source = _model_source(cfg)
+    if marker.is_file() and json.loads(marker.read_text()).get("source") == str(source):
+        return cfg.staging_dir
     return source
 
 
@@ -227,7 +253,7 @@ def autotune_fleet(params: dict, run_id: str, model_path: str, shards: list[dict
         log.info("autotune: reusing reports/autotune.json from an earlier attempt (same settings)")
     else:
         try:
-            report = autotune.tune(cfg, Path(model_path), shards, _accepted(shards),
+            report = autotune.tune(cfg, Path(model_path), shards, _to_generate(shards),
                                    candidate_s=settings.candidate_s, budget_s=settings.budget_s,
                                    extra=list(settings.extra))
         except capacity.TooFewPrompts as exc:  # the fleet still runs: nothing was stopped
@@ -272,7 +298,7 @@ def calibrate(params: dict, run_id: str, launched: dict, shards: list[dict], nod
     servers, key = _servers(cfg, launched)
     fleet_dir = Path(launched["fleet_dir"])
     healthy = fleet.healthy_servers(fleet_dir, servers)
-    shape = capacity.RunShape(prompts=_accepted(shards), servers=len(healthy), shard_size=cfg.plan.shard_size,
+    shape = capacity.RunShape(prompts=_to_generate(shards), servers=len(healthy), shard_size=cfg.plan.shard_size,
                               concurrency_per_server=cfg.generation.in_flight)
     tuned = autotune.applied_flags(cfg.node_reports_dir)  # the fleet runs the autotuned flags on top
     flags = " ".join(x for x in (cfg.fleet.server_flags, tuned or "") if x)
@@ -342,8 +368,15 @@ def plan_shards(params: dict, run_id: str) -> list[dict]:
     # Airflow fails the expansion of more mapped tasks than this, after planning: refuse them here with the fix.
     settings = replace(cfg.plan, max_shards=conf.getint("core", "max_map_length", fallback=1024))
     plan = planning.plan_shards(source, cfg.layout, settings)
-    write_report(cfg, "plan", {k: v for k, v in plan.items() if k != "shards"} | {"shards": len(plan["shards"])})
-    return [{**s, "run_prompts": plan["accepted"]} for s in plan["shards"]]
+    shards = [dict(s) for s in plan["shards"]]
+    reuse = store.plan_reuse(cfg, shards, _model_source(cfg))  # sets each shard's to_generate
+    log.info("completion store (Param reuse = %s): %d of %d prompts reused, %d to generate%s%s", cfg.reuse,
+             reuse["reused"], reuse["prompts"], reuse["to_generate"],
+             f"; nothing reused: {reuse['why_none']}" if reuse.get("why_none") else "",
+             f"; {reuse['problems_line']}" if reuse.get("problems_line") else "")
+    write_report(cfg, "plan", {k: v for k, v in plan.items() if k != "shards"} | {"shards": len(plan["shards"]),
+                                                                                 "reuse": reuse})
+    return [{**s, "run_prompts": reuse["to_generate"]} for s in shards]
 
 
 @fail_fast
@@ -352,11 +385,17 @@ def generate(params: dict, run_id: str, shard: dict, node: dict | None = None) -
 
 
 @fail_fast
-def tokenize_shard(params: dict, run_id: str, generated: dict, node: dict | None = None) -> dict:
+def tokenize_shard(params: dict, run_id: str, generated: dict | None, node: dict | None = None,
+                   shard: dict | None = None) -> dict:
+    """`generated` is None when generate was skipped: the store supplied the whole run (`plan_reuse` merged it)."""
     cfg = _cfg(params, run_id, node)  # the tokenizer is in the node's staged model dir
-    shard = generated["shard"]
-    tok = tokenize.load_tokenizer(cfg.staging_dir)
-    return tokenized.tokenize_shard(cfg.layout.shard(shard), Path(generated["path"]), cfg.layout, shard, tok,
+    index = generated["shard"] if generated else shard["shard"]
+    path = Path(generated["path"]) if generated else cfg.layout.merged(COMPLETIONS, index)
+    if not path.is_file():
+        raise NotRetryable(f"shard {index} has no completions at {path} and its generate did not run (skipped); "
+                           "clear plan_shards with Downstream to plan and generate the run again")
+    tok = tokenize.load_tokenizer(_model_dir(cfg))
+    return tokenized.tokenize_shard(cfg.layout.shard(index), path, cfg.layout, index, tok,
                                     include_reasoning=cfg.mask_reasoning)
 
 
@@ -394,7 +433,8 @@ def publish_dataset(params: dict, run_id: str) -> dict:
         raise GateFailed("the quality report says the gate failed; refusing to publish")
     publish.clean_stale_tmp(cfg.publish_dir.parent)
     config = {k: v for k, v in params.items() if k not in {"emulator_faults"}}
-    manifest = publish.publish_run(cfg.layout, cfg.publish_dir, plan, report, config, cfg.staging_dir,
-                                   nodes=nodes.split_report(cfg.layout))  # several nodes: what each did
+    manifest = publish.publish_run(cfg.layout, cfg.publish_dir, plan, report, config, _model_dir(cfg),
+                                   nodes=nodes.split_report(cfg.layout),  # several nodes: what each did
+                                   reuse=store.provenance(cfg.layout))
     return {"path": str(cfg.publish_dir), "samples": manifest["counts"]["published"],
             "quarantined": manifest["counts"]["quarantined"], "tokens": manifest["tokens"]["total"]}

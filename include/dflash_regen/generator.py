@@ -18,6 +18,7 @@ from dflash_regen import sglang
 from dflash_regen.config import GenerationSettings
 from dflash_regen.errors import PromptError, ServerError, ServerUnhealthy, TransientError
 from dflash_regen.fleet import Server, healthy_servers, is_alive, load_servers
+from dflash_regen.prompts import prompt_digest
 from dflash_regen.sglang import ChatResult, make_session, stream_chat
 
 log = logging.getLogger(__name__)
@@ -183,4 +184,5 @@ class Generator:
             "assistant_turns": json.dumps(turns, ensure_ascii=False),
             # Cut where the trainer stops reading (Param budget train_length): kept as training text, not a failure.
             "truncated_at_train_length": at_train_length,
+            "source_run": s.run, "prompt_digest": prompt_digest(sample["messages"], sample["tools"]),
         }

@@ -1,10 +1,12 @@
 """Every path under `<output_root>/runs/<run_id>/` (DESIGN §6), and the checkpoint rule.
+(`<output_root>/store/` is the completion store's: `store_dir`, laid out in dflash_regen.store.)
 
     runs/<run_id>/
       fleet/[<node>/]   server-<i>.log, server-<i>.json (pid + launch spec), exit-<i>.json, unhealthy-<i>,
                         lease-<i>.lock, api_key, failed-shard-XXXXX.json            (FleetFiles)
       shards/           plan.json, shard-XXXXX.parquet                              (schemas.PROMPT_SHARD)
       completions/      shard-XXXXX.parquet (merged), shard-XXXXX/part-*.parquet    (schemas.COMPLETION)
+                        generation.json (the generation fingerprint, dflash_regen.store)
       failures/         plan.parquet, shard-XXXXX.parquet, shard-XXXXX/part-*.parquet (schemas.QUARANTINE)
       status/           shard-XXXXX.json (shard_status)
       tokenized/        shard-XXXXX.parquet, summary-XXXXX.parquet, conversations-XXXXX.jsonl
@@ -29,6 +31,11 @@ _PART_GLOB = "part-*.parquet"
 def runs_dir(output_root: Path) -> Path:
     """`<output_root>/runs`: one folder per run id."""
     return output_root / "runs"
+
+
+def store_dir(output_root: Path) -> Path:
+    """`<output_root>/store`: the completion store (dflash_regen.store), hard links of the runs' checkpoints."""
+    return output_root / "store"
 
 
 def shard_name(shard: int) -> str:
@@ -180,6 +187,11 @@ class RunLayout:
         folder = self.results_dir(kind)
         shards = [shard] if shard is not None else sorted({shard_of(p) for p in folder.glob(f"{_SHARD}*")})
         return [p for n in shards for p in counted_files(self.merged(kind, n), self.parts(kind, n))]
+
+    @property
+    def generation_record(self) -> Path:
+        """completions/generation.json: the run's generation fingerprint, by which the store indexes its files."""
+        return self.results_dir(COMPLETIONS) / "generation.json"
 
     @property
     def planning_quarantine(self) -> Path:

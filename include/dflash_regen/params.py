@@ -193,6 +193,12 @@ SPECS: dict[str, Spec] = {
         False, "boolean", SAMPLING, title="Retry truncated/empty once with 2x max_tokens",
         description=("A sample that ends with finish_reason 'length' or without an answer is sent once more with twice"
                      " the budget; the second answer is kept.")),
+    "reuse": Spec(
+        "same_settings", "string", SAMPLING, title="Reuse completions of earlier runs", enum=("same_settings", "off"),
+        description=("same_settings: a prompt some run on this output root already answered with the same weights, "
+                     "chat template, sampling, max_tokens, budget, thinking, history and seed is not sent again; its "
+                     "completion comes from the store (README 'After a failed gate, or with more prompts'). off: "
+                     "send every prompt.")),
     "concurrency_per_server": Spec(
         0, "integer", DISPATCH, title="Requests in flight per server", minimum=0, maximum=4096,
         description=("What each shard keeps open on its server; 0 = the server's running-request slots (more only "

@@ -62,6 +62,12 @@ class _Bad(Exception):
         self.reason, self.detail = reason, detail
 
 
+def prompt_digest(messages: str, tools: str | None) -> str:
+    """Which prompt a completion answers: a digest of a planned shard row's `messages` and `tools` JSON text (one
+    `id` given two texts is two prompts to the completion store)."""
+    return hashlib.sha256(f"{messages}\0{tools or ''}".encode()).hexdigest()[:16]
+
+
 def canonical_id(messages: list[dict], tools: list[dict] | None) -> str:
     blob = json.dumps({"messages": messages, "tools": tools or None}, sort_keys=True, ensure_ascii=False,
                       separators=(",", ":"))

@@ -210,7 +210,7 @@ def _reasons(paths: list[Path]) -> dict[str, int]:
 
 
 def publish_run(layout: RunLayout, dest: Path, plan: dict, quality: dict, config: dict, model_dir: Path,
-                nodes: dict | None = None) -> dict:
+                nodes: dict | None = None, reuse: dict | None = None) -> dict:
     """The run's tokenized shards and conversations, less the samples the quality gate quarantined, published
     atomically with their manifest and card."""
     dropped = _ids(layout.gate_quarantine)
@@ -268,5 +268,7 @@ def publish_run(layout: RunLayout, dest: Path, plan: dict, quality: dict, config
     }
     if nodes:  # a run on several nodes: shards, prompts, predicted and measured time per node
         manifest["nodes"] = nodes
+    if reuse:  # the generation fingerprint and which run generated the published completions (dflash_regen.store)
+        manifest["generation"] = reuse
     publish(dest, parts, manifest, dataset_card(dest.parent.name, dest.name, manifest))
     return manifest

@@ -36,11 +36,14 @@ COMPLETION = pa.schema([
     ("enable_thinking", pa.bool_()), ("served_model", pa.string()), ("model_revision", pa.string()),
     ("reasoning_parser", pa.string()), ("think_marker_leak", pa.bool_()), ("empty_content", pa.bool_()),
     ("assistant_turns", pa.string()), ("truncated_at_train_length", pa.bool_()),
+    ("source_run", pa.string()), ("prompt_digest", pa.string()),
 ])
 """One generated sample (`completions/shard-XXXXX.parquet` and its checkpoint parts): the answer (reasoning,
 content, tool calls as JSON text), how it ended and its token usage, the server that answered, the request's
 latency, attempt count and sampling params, flags for a leaked `<think>` marker or an empty answer, every
-assistant turn of a tool-call round (JSON text), and whether Param budget train_length cut it."""
+assistant turn of a tool-call round (JSON text), whether Param budget train_length cut it, the run that generated
+it (`source_run`: an earlier run's for a completion the store supplied) and the digest of the prompt it answers
+(`prompts.prompt_digest`, the store's check)."""
 
 TOKENIZED = pa.schema([
     ("sample_id", pa.string()), ("input_ids", pa.list_(pa.field("element", pa.int32()))),
