@@ -1,8 +1,8 @@
 """`bench/run.py --quick` runs the benchmarks at tiny sizes and reports every figure, so the benchmarks
 cannot rot. The figures themselves are not checked: timings belong to `make bench`, never to tests.
 
-Two runs, so the two pytest workers share them: `airflow_overhead` and `resume` (figures 3 and 7, whose cost at
---quick sizes is all process starts and fleet launches), and the rest.
+Two runs, so the two pytest workers share them: `airflow_overhead`, `resume` and `reuse` (figures 3, 7 and 9,
+whose cost at --quick sizes is all process starts, fleet launches and whole DAG runs), and the rest.
 """
 
 import json
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-APART = {"airflow_overhead": 3, "resume": 7}  # benchmark -> its figure: the second run
+APART = {"airflow_overhead": 3, "resume": 7, "reuse": 9}  # benchmark -> its figure: the second run
 
 
 def benchmarks() -> list[str]:
@@ -35,7 +35,7 @@ def test_quick_bench_reports_every_figure_with_raw_numbers_and_a_ratio(tmp_path,
     report = json.loads((tmp_path / "latest.json").read_text())
     assert report["quick"] and report["machine"]["cores"] >= 1
     figures = report["figures"]
-    expected = set(APART.values()) if apart else set(range(1, 9)) - set(APART.values())
+    expected = set(APART.values()) if apart else set(range(1, 10)) - set(APART.values())
     assert {f["figure"] for f in figures} == expected
     for f in figures:
         assert f["name"] and f["ratio_of"] and f["ideal"] and "ratio" in f, f

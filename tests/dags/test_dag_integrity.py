@@ -37,6 +37,12 @@ def test_expected_tasks_in_pipeline_order_without_cycles(dag):
     assert order.index("stage_weights") < order.index("launch_fleet") < order.index("health_check") \
         < order.index("smoke_test") < order.index("generate") < order.index("stop_fleet")
     assert order.index("plan_shards") < order.index("generate")
+    # the store decides before any GPU work whether the fleet is needed at all; every fleet setup is tied to the
+    # teardown, so setups skipped for a run the store completes scope only generate, not tokenize or publish
+    assert "plan_shards" in dag.get_task("stage_weights").upstream_task_ids
+    assert {"launch_fleet", "health_check", "smoke_test", "autotune", "calibrate"} <= \
+        dag.get_task("stop_fleet").upstream_task_ids
+    assert not {t.task_id for t in dag.get_task("tokenize").get_upstreams_only_setups()}
     # calibrate measures a checked server with the run's own shards, before any shard is generated
     assert max(order.index("smoke_test"), order.index("plan_shards")) < order.index("calibrate") \
         < order.index("generate")
@@ -60,9 +66,10 @@ def test_each_shard_is_tokenized_as_soon_as_its_own_generate_ends(dag):
     generate, tokenize = dag.get_task("generate"), dag.get_task("tokenize")
     group = generate.get_closest_mapped_task_group()
     assert group is not None and tokenize.get_closest_mapped_task_group() is group
-    assert tokenize.upstream_task_ids == {"generate"}
+    # (and the planned shard: tokenize reads it when generate was skipped, the store having supplied the run)
+    assert tokenize.upstream_task_ids == {"generate", "plan_shards"} and tokenize.trigger_rule == "none_failed"
     # their map index labels render from their keyword arguments (a positional one is not in the template context)
-    assert "shard" in generate.op_kwargs and "generated" in tokenize.op_kwargs
+    assert "shard" in generate.op_kwargs and {"generated", "shard"} <= tokenize.op_kwargs.keys()
     assert group.upstream_task_ids == {"plan_shards"}  # it maps over the planned shards
     # the teardown waits for generation, not for tokenizing
     assert "tokenize" not in dag.get_task("stop_fleet").get_flat_relative_ids(upstream=True)

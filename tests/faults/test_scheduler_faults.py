@@ -67,8 +67,9 @@ def test_9_and_10_node_dies_mid_run_the_same_run_id_resumes_and_publish_killed_m
     af = live_airflow
     run_id, dataset = "node_crash", "node-crash"
     # 2 shards on 2 servers: the fewest tasks (each costs seconds of Airflow time) that still run side by side.
+    # reuse off: the session's other live runs answer the same demo prompts, whose completions would be reused
     conf = {"num_servers": 2, "shard_size": 60, "checkpoint_every": 4, "calibration_prompts": 0,
-            "dataset_name": dataset}
+            "dataset_name": dataset, "reuse": "off"}
     af.trigger(run_id, conf)
     folder = run_dir(af, run_id)
     deadline = time.monotonic() + 300

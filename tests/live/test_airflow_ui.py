@@ -184,7 +184,9 @@ def test_user_triggers_from_the_form_a_rest_client_and_the_user_each_clear_one_f
     # on its own server; the smallest calibration: twice the 16 slots; autotune off, picked from its choices
     # (tests/integration/test_autotune_on_fleet.py and the e2e demo run tune).
     form = {("Fleet", "num_servers"): "4", ("Prompts", "shard_size"): "30", ("Dispatch", "checkpoint_every"): "4",
-            ("Dispatch", "calibration_prompts"): "32", ("Dispatch", "autotune"): "off"}
+            ("Dispatch", "calibration_prompts"): "32", ("Dispatch", "autotune"): "off",
+            # the session's other live runs answer the same demo prompts: reusing them, no fault would fire
+            ("Sampling", "reuse"): "off"}
     run_id = trigger_from_form(page, af, form, screenshots / "02-trigger-form.png")
     folder = run_dir(af, run_id)
     # The faults land once each shard has results on disk.
