@@ -214,7 +214,10 @@ def _mismatch(table: pa.Table, fields: dict) -> str | None:
         else:
             same = pc.all(pc.less_equal(pc.abs(pc.subtract(values.cast(pa.float64()), float(want))), 1e-6)).as_py()
         if same is False:
-            return f"its rows were sampled with another {column} (e.g. {values[0].as_py()}, the key says {want})"
+            seen = next(v for v in values.to_pylist() if v != want and not (isinstance(v, float) and
+                                                                      abs(v - float(want)) <= 1e-6))
+            seen = f"{seen:.6g}" if isinstance(seen, float) else seen
+            return f"its rows were sampled with another {column} (e.g. {seen}, the key says {want})"
     ids, seeds = table.column("sample_id").to_pylist(), table.column("seed").to_pylist()
     bad = next((sid for sid, seed in zip(ids, seeds, strict=True) if seed != sample_seed(sid, fields["seed"])), None)
     if bad is not None:
@@ -421,3 +424,49 @@ def prune(root: Path, *, fingerprint_: str | None = None, older_than_s: float | 
                 removed.append(entry["fingerprint"])
         atomic.write_json(store / PRUNED, pruned)
     return removed
+
+
+# ---------------------------------------------------------------------------------------------------- CLI
+def main(argv: list[str] | None = None) -> int:
+    """`python -m dflash_regen.store list|prune`: what the store holds, and removing entries by fingerprint or age."""
+    import argparse
+
+    from dflash_regen.deployment import deployment
+    from dflash_regen.staging import human_bytes
+
+    ap = argparse.ArgumentParser(prog="python -m dflash_regen.store", description=main.__doc__)
+    ap.add_argument("command", choices=("list", "prune"))
+    ap.add_argument("--output-root", type=Path, default=Path(deployment().output_root),
+                    help="the runs' output root (default: DFLASH_OUTPUT_ROOT or the demo's)")
+    ap.add_argument("--fingerprint", help="prune: this fingerprint's entries")
+    ap.add_argument("--older-than-days", type=float, help="prune: fingerprints with no completion newer than this")
+    ap.add_argument("--json", action="store_true", help="list: as JSON")
+    ns = ap.parse_args(argv)
+    if ns.command == "prune":
+        if not ns.fingerprint and ns.older_than_days is None:
+            ap.error("prune needs --fingerprint FP or --older-than-days N")
+        removed = prune(ns.output_root, fingerprint_=ns.fingerprint,
+                        older_than_s=None if ns.older_than_days is None else ns.older_than_days * 86400)
+        print(f"pruned {len(removed)} fingerprint(s): {', '.join(removed) or 'none matched'} "
+              "(the runs' own files stay)")
+        return 0
+    entries = listing(ns.output_root)
+    if ns.json:
+        print(json.dumps(entries, indent=1))
+        return 0
+    print(f"completion store {store_dir(ns.output_root)}: {len(entries)} fingerprint(s)")
+    for e in entries:
+        f = e["fields"]
+        print(f"{e['fingerprint']}  {e['samples']:,} samples in {e['files']} files, {human_bytes(e['bytes'])} linked "
+              f"({human_bytes(e['own_bytes'])} held by the store alone), newest "
+              f"{time.strftime('%Y-%m-%d %H:%M', time.localtime(e['newest']))}")
+        print(f"    temperature {f.get('temperature')} top_p {f.get('top_p')} top_k {f.get('top_k')} max_tokens "
+              f"{f.get('max_tokens')} budget {f.get('budget')} thinking {f.get('enable_thinking')} "
+              f"seed {f.get('seed')} weights {str(f.get('weights'))[:12]}")
+        for run, n in sorted(e["runs"].items()):
+            print(f"    run {run}: {n:,} samples")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -66,6 +66,7 @@ def test_each_nodes_shards_are_one_mapped_group_per_shard_on_its_queue(monkeypat
         generate, tokenize = dag.task_dict[f"{node}.generate"], dag.task_dict[f"{node}.tokenize"]
         group = generate.get_closest_mapped_task_group()
         assert group is not None and group.group_id == f"{node}.shard"
-        assert tokenize.get_closest_mapped_task_group() is group and tokenize.upstream_task_ids == {generate.task_id, f"{node}.node_shards"}
+        assert tokenize.get_closest_mapped_task_group() is group
+        assert tokenize.upstream_task_ids == {generate.task_id, f"{node}.node_shards"}
         assert group.upstream_task_ids == {f"{node}.node_shards"}  # the node's own shards
         assert tokenize.task_id not in dag.task_dict[f"{node}.stop_fleet"].get_flat_relative_ids(upstream=True)
