@@ -14,7 +14,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 from dag_helpers import check_invariants, layout_of, states
 
-from dflash_regen import smoke, store
+from dflash_regen import run_report, smoke, store
 from dflash_regen.config import safe_run_id
 from dflash_regen.demo_prompts import write_demo_prompts
 from dflash_regen.layout import COMPLETIONS, runs_dir, store_dir
@@ -70,6 +70,8 @@ def test_reruns_reuse_completions_by_fingerprint_and_send_only_what_is_missing(d
     assert not run.fleet_dir.exists() or not list(run.fleet_dir.glob("server-*")), "a server was started"
     plan_b = json.loads(run.report("plan").read_text())["reuse"]
     assert plan_b["reused"] == accepted and plan_b["to_generate"] == 0
+    fleet_b = run_report.fleet_report(run.run_dir)["progress"]  # the Fleet page counts only what is left
+    assert (fleet_b["planned"], fleet_b["left"], fleet_b["reused"]) == (0, 0, accepted), fleet_b
     b = completions(conf_b, run_b)
     assert {r["source_run"] for r in b.values()} == {a_id}
     assert {sid: r["content"] for sid, r in b.items()} == {sid: r["content"] for sid, r in
@@ -96,6 +98,9 @@ def test_reruns_reuse_completions_by_fingerprint_and_send_only_what_is_missing(d
     run_c = dag.test(run_conf=conf_c)
     assert run_c.state == "success", states(run_c)
     assert generation_requests(conf_c, run_c) == 30
+    assert json.loads(layout_of(conf_c, run_c).report("plan").read_text())["reuse"]["to_generate"] == 30
+    fleet_c = run_report.fleet_report(layout_of(conf_c, run_c).run_dir)["progress"]
+    assert (fleet_c["planned"], fleet_c["done"], fleet_c["reused"]) == (30, 30, accepted), fleet_c
     c = completions(conf_c, run_c)
     assert len(c) == accepted + 30 and sum(r["source_run"] == a_id for r in c.values()) == accepted
     check_invariants(conf_c, run_c, published=True)
