@@ -296,24 +296,25 @@ def _reuse_shard(layout: RunLayout, shard: dict, found: dict[str, tuple[Path, st
     """Place the store's completions of one shard into this run's checkpoints (a whole shard from one file: a hard
     link; else one part), merging the shard when nothing is left; returns its counts."""
     n = shard["shard"]
-    rows = pq.read_table(shard["path"], columns=["sample_id", "messages", "tools"]).to_pylist()
+    ids = pq.read_table(shard["path"], columns=["sample_id"]).column("sample_id").to_pylist()
     merged, parts = layout.merged(COMPLETIONS, n), layout.parts(COMPLETIONS, n)
     done = read_done(parts, merged) | read_done(layout.parts(FAILURES, n), layout.merged(FAILURES, n))
     hits, other_text = {}, 0
-    for row in rows:
-        sid = row["sample_id"]
-        if sid in done or sid not in found:
-            continue
-        if found[sid][1] == prompt_digest(row["messages"], row["tools"]):
-            hits[sid] = found[sid][0]
-        else:
-            other_text += 1
+    if any(sid in found and sid not in done for sid in ids):  # the prompts' text is read only when it can matter
+        for row in pq.read_table(shard["path"], columns=["sample_id", "messages", "tools"]).to_pylist():
+            sid = row["sample_id"]
+            if sid in done or sid not in found:
+                continue
+            if found[sid][1] == prompt_digest(row["messages"], row["tools"]):
+                hits[sid] = found[sid][0]
+            else:
+                other_text += 1
     linked = False
     if hits:
         sources = set(hits.values())
-        whole = not done and len(hits) == len(rows) and len(sources) == 1
+        whole = not done and len(hits) == len(ids) and len(sources) == 1
         source = next(iter(sources))
-        if whole and pq.read_metadata(source).num_rows == len(rows) and \
+        if whole and pq.read_metadata(source).num_rows == len(ids) and \
                 set(pq.read_table(source, columns=["shard"]).column("shard").to_pylist()) == {n}:
             merged.parent.mkdir(parents=True, exist_ok=True)
             tmp = merged.with_name(f".{merged.name}.tmp")
@@ -323,7 +324,7 @@ def _reuse_shard(layout: RunLayout, shard: dict, found: dict[str, tuple[Path, st
             linked = True
         else:
             write_part(parts, _rows_of(hits, n).to_pylist(), COMPLETION)
-    left = len(rows) - len(done) - len(hits)
+    left = len(ids) - len(done) - len(hits)
     if hits and not left:  # nothing to send: the shard is complete as generate would leave it
         if not linked:
             merge_parts(parts, merged, COMPLETION)
