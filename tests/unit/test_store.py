@@ -55,10 +55,11 @@ def test_speed_settings_stay_out_of_the_fingerprint_and_what_changes_answers_is_
     assert key(config(tmp_path, "a"), other) != base2
 
 
-def plan(tmp_path, cfg: RunConfig, prompts: int) -> list[dict]:
-    source = tmp_path / f"prompts-{prompts}.jsonl"
-    source.write_text("".join(json.dumps({"id": f"p{i}", "messages": [{"role": "user", "content": f"q {i}"}]}) + "\n"
-                              for i in range(prompts)))
+def plan(tmp_path, cfg: RunConfig, prompts: int, edited: int | None = None) -> list[dict]:
+    """Prompts p0.. of `prompts`; `edited`: that one keeps its id but asks something else."""
+    source = tmp_path / f"prompts-{prompts}-{edited}.jsonl"
+    source.write_text("".join(json.dumps({"id": f"p{i}", "messages": [
+        {"role": "user", "content": f"q {i}" + (" (edited)" if i == edited else "")}]}) + "\n" for i in range(prompts)))
     return [dict(s) for s in planning.plan_shards(source, cfg.layout, replace(cfg.plan, shard_size=4))["shards"]]
 
 
@@ -100,6 +101,10 @@ def test_a_rerun_links_whole_shards_and_never_reuses_rows_made_with_other_settin
     # planned again (a retry), nothing is placed twice and the rejected file stays out
     again = store.plan_reuse(b, [dict(s) for s in shards_b], model)
     assert again["reused"] == 0 and again["problems"] == [] and again["by_source_run"] == {"a": 8}
+    # an id given other text is another prompt: its completion is not reused
+    d = config(tmp_path, "d")
+    edited = store.plan_reuse(d, plan(tmp_path, d, 8, edited=5), model)
+    assert edited["reused"] == 7 and edited["other_prompt_text"] == 1 and edited["to_generate"] == 1
     # with Param reuse off nothing is taken, and the report says why
     off = config(tmp_path, "c", reuse="off")
     assert store.plan_reuse(off, plan(tmp_path, off, 8), model)["why_none"] == "Param reuse is off"
