@@ -47,7 +47,8 @@ def published_ids(manifest_dir: Path) -> list[str]:
 def test_reruns_reuse_completions_by_fingerprint_and_send_only_what_is_missing(dag, run_params, tmp_path,
                                                                                   no_leftover_servers):
     source = write_demo_prompts(tmp_path / "prompts" / "a.jsonl")
-    conf_a = run_params(2, shard_size=60, calibration_prompts=0, prompt_source=str(source))
+    # shards of 50: C's third shard holds A's last 20 prompts and the 30 new ones (a shard reused in part)
+    conf_a = run_params(2, shard_size=50, calibration_prompts=0, prompt_source=str(source))
 
     # A: the first run generates every accepted prompt and publishes.
     run_a = dag.test(run_conf=conf_a)
@@ -103,6 +104,7 @@ def test_reruns_reuse_completions_by_fingerprint_and_send_only_what_is_missing(d
     assert (fleet_c["planned"], fleet_c["done"], fleet_c["reused"]) == (30, 30, accepted), fleet_c
     c = completions(conf_c, run_c)
     assert len(c) == accepted + 30 and sum(r["source_run"] == a_id for r in c.values()) == accepted
+    assert json.loads(layout_of(conf_c, run_c).report("plan").read_text())["reuse"]["whole_shards_linked"] == 2
     check_invariants(conf_c, run_c, published=True)
 
     # D: another temperature changes the fingerprint: every prompt is sent, and the plan report says why.
