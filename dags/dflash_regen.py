@@ -1,15 +1,17 @@
 """
 ### dflash_regen — regenerate a chat dataset with Qwen3.6-27B (thinking on) on a local SGLang fleet
 
-Stages the weights to the RAM disk, launches one SGLang server per GPU and proves **every** server is
-fit before any real work: enough KV tokens and running-request slots (`health_check`), and real answers —
+`plan_shards` validates the prompts first (bad rows are quarantined with a reason), writes ~1,000-prompt shards
+and takes every completion an earlier run made with the same generation settings from the completion store
+(Param reuse); when nothing is left to generate, the weights are not staged and the fleet's setups and teardown
+skip. Otherwise the weights are staged to the RAM disk, one SGLang server per GPU is launched and **every** server
+is proven fit before any real work: enough KV tokens and running-request slots (`health_check`), and real answers —
 not reasoning only, not truncated, tool calls parsed — to representative prompts at the production
 `max_tokens` (`smoke_test`); `autotune` tries other server settings on the first GPU and reports (or, with
 Param autotune = apply, relaunches the fleet with) the fastest; `calibrate` then measures one server on the
 run's own prompts, names the resource that binds throughput with the flags that would lift it, and predicts
 the run's wall time and
-GPU-hours (`reports/capacity.json`). Meanwhile `plan_shards` validates the prompts (bad rows are quarantined with a
-reason) and writes ~1,000-prompt shards; `generate` completes each shard on one leased server, resumably.
+GPU-hours (`reports/capacity.json`); `generate` completes each shard on one leased server, resumably.
 The fleet is stopped as soon as generation ends. `tokenize` computes `input_ids` and `loss_mask` with the
 model's chat template (each shard's as soon as its own `generate` ends: the two are one mapped task group),
 `validate` runs the Great Expectations gate (Data Docs in the run's `reports/`), and `publish` moves the dataset
