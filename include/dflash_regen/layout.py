@@ -5,8 +5,8 @@
       fleet/[<node>/]   server-<i>.log, server-<i>.json (pid + launch spec), exit-<i>.json, unhealthy-<i>,
                         lease-<i>.lock, api_key, failed-shard-XXXXX.json            (FleetFiles)
       shards/           plan.json, shard-XXXXX.parquet                              (schemas.PROMPT_SHARD)
-      completions/      shard-XXXXX.parquet (merged), shard-XXXXX/part-*.parquet    (schemas.COMPLETION)
                         generation.json (the generation fingerprint, dflash_regen.store)
+      completions/      shard-XXXXX.parquet (merged), shard-XXXXX/part-*.parquet    (schemas.COMPLETION)
       failures/         plan.parquet, shard-XXXXX.parquet, shard-XXXXX/part-*.parquet (schemas.QUARANTINE)
       status/           shard-XXXXX.json (shard_status)
       tokenized/        shard-XXXXX.parquet, summary-XXXXX.parquet, conversations-XXXXX.jsonl
@@ -190,8 +190,9 @@ class RunLayout:
 
     @property
     def generation_record(self) -> Path:
-        """completions/generation.json: the run's generation fingerprint, by which the store indexes its files."""
-        return self.results_dir(COMPLETIONS) / "generation.json"
+        """shards/generation.json: the run's generation fingerprint, written when it plans; the completion store
+        indexes the run's completion files by it."""
+        return self.shards_dir / "generation.json"
 
     @property
     def planning_quarantine(self) -> Path:

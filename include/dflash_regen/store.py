@@ -9,7 +9,7 @@ and the generation fingerprint, so a new run sends only what no earlier run answ
 of a shard that never merged): the same inode, no bytes of its own while the run folder keeps its link, and the
 completions stay when a run folder is deleted. Checkpoints are written tmp + rename and never rewritten in place,
 so a linked file cannot change under the store. `sync` links what runs have checkpointed since (failed, abandoned
-and published runs alike), when a run plans; a run declares its fingerprint in `completions/generation.json`.
+and published runs alike), when a run plans; a run declares its fingerprint in `shards/generation.json`.
 
 **The key.** A completion is reused when its sample id, its prompt's digest (the same id with other text is
 another prompt) and the run's generation fingerprint match. In the fingerprint is what changes what the model

@@ -18,8 +18,9 @@ def test_a_missing_prompt_source_fails_the_first_task_before_staging_or_launch(d
     conf = run_params(2, prompt_source=str(tmp_path / "no-such-prompts.jsonl"))
     dag_run = dag.test(run_conf=conf)
     got = states(dag_run)
-    assert got["stage_weights"] == "failed" and tries(dag_run, "stage_weights") == 1
-    assert got["launch_fleet"] == "upstream_failed"
+    # planning comes first (it decides, with the completion store, whether the fleet is needed at all)
+    assert got["plan_shards"] == "failed" and tries(dag_run, "plan_shards") == 1
+    assert got["stage_weights"] == got["launch_fleet"] == "upstream_failed"
     assert f"prompt source {tmp_path / 'no-such-prompts.jsonl'} does not exist; set Param prompt_source" in \
         logs(caplog, capfd)
     assert not (tmp_path / "shm" / "model").exists() and not layout_of(conf, dag_run).fleet_dir.exists()
