@@ -3,7 +3,7 @@ and the generation fingerprint, so a new run sends only what no earlier run answ
 
     <output_root>/store/<fingerprint>/fingerprint.json      the fields in the key; the first run's recorded ones
     <output_root>/store/<fingerprint>/<run>/<file>.parquet   hard links of that run's completion checkpoints
-    <output_root>/store/<fingerprint>/rejected.json          files found unreadable or from other settings
+    <output_root>/store/<fingerprint>/rejected.json          files found unreadable or from other settings (by inode)
 
 **No second copy.** Each store file is a hard link of a run's own checkpoint (a merged shard file, or the parts
 of a shard that never merged): the same inode, no bytes of its own while the run folder keeps its link, and the
@@ -16,9 +16,10 @@ another prompt) and the run's generation fingerprint match. In the fingerprint i
 would answer; kept out, and recorded beside it, is what only changes how fast (`generation_fields`; README
 "After a failed gate, or with more prompts" says why each field is in or out).
 
-**Safety.** Every file is read whole before its rows are trusted: an unreadable one (partial, corrupt) or one
-whose rows carry other sampling values or seeds than the fingerprint's is never reused; it is left out of the
-store (`rejected.json`), its samples are generated again, and the plan report says so.
+**Safety.** Every file's footer and index columns are read and checked before its rows are trusted: an unreadable
+one (partial, corrupt) or one whose rows carry other sampling values or seeds than the fingerprint's is never
+reused; it is left out of the store (`rejected.json`), its samples are generated again, and the plan report says
+so.
 """
 
 from __future__ import annotations
@@ -189,7 +190,7 @@ def sync(root: Path) -> int:
                     st = path.stat()
                     name = f"{shard_name(n)}.parquet" if path == merged else f"{shard_name(n)}--{path.name}"
                     target = folder / run_dir.name / name
-                    if (st.st_dev, st.st_ino) in have or rejected.get(f"{run_dir.name}/{name}") == _file_key(path):
+                    if (st.st_dev, st.st_ino) in have or _file_key(path) in rejected:  # the same bad file, any name
                         continue
                     target.parent.mkdir(parents=True, exist_ok=True)
                     tmp = target.with_name(f".{name}.tmp")
@@ -245,7 +246,7 @@ def lookup(root: Path, print_: str, fields: dict) -> tuple[dict[str, tuple[Path,
                 rel = path.relative_to(folder).as_posix()
                 problems.append({"file": str(path), "problem": why,
                                  "samples": pq.read_metadata(path).num_rows if "unreadable" not in why else None})
-                rejected[rel] = _file_key(path)
+                rejected[_file_key(path)] = f"{rel}: {why}"
                 path.unlink()
                 log.warning("store: %s is not reused: %s; its samples are generated again", path, why)
                 continue

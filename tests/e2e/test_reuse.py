@@ -14,7 +14,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 from dag_helpers import check_invariants, layout_of, states
 
-from dflash_regen import run_report, smoke, store
+from dflash_regen import run_report, runlock, smoke, store
 from dflash_regen.config import safe_run_id
 from dflash_regen.demo_prompts import write_demo_prompts
 from dflash_regen.layout import COMPLETIONS, runs_dir, store_dir
@@ -69,6 +69,7 @@ def test_reruns_reuse_completions_by_fingerprint_and_send_only_what_is_missing(d
     assert got["generate"] == "skipped" and got["tokenize"] == got["publish"] == "success", got
     run = layout_of(conf_b, run_b)
     assert not run.fleet_dir.exists() or not list(run.fleet_dir.glob("server-*")), "a server was started"
+    assert runlock.read_holder(Path(conf_b["output_root"]))["run_id"] == run_b.run_id  # the run lock still holds
     plan_b = json.loads(run.report("plan").read_text())["reuse"]
     assert plan_b["reused"] == accepted and plan_b["to_generate"] == 0
     fleet_b = run_report.fleet_report(run.run_dir)["progress"]  # the Fleet page counts only what is left
