@@ -165,9 +165,22 @@ def build_app(output_root: Path, auth: Callable, airflow: AirflowView | None = N
     def quality_json(run_id: str):
         return JSONResponse(run_report.quality_report(run_dir(run_id), airflow_run(run_id)))
 
+    def no_folder(run_id: str, page: str) -> HTMLResponse:
+        """A tab of a run with no folder yet: Airflow's state and failed tasks, not a bare 404."""
+        known = airflow_run(run_id)
+        if known is None:
+            run_dir(run_id)  # raises the 404 that says where runs are read from, or returns a folder made just now
+            return RedirectResponse(page)
+        return _page("no_run_folder.html", run_id=run_id, state=run_report.run_state(None, known), page=page,
+                     root=str(root))
+
     @app.get("/runs/{run_id}/quality", response_class=HTMLResponse)
     def quality(run_id: str):
-        report = run_report.quality_report(run_dir(run_id), airflow_run(run_id))
+        try:
+            run = run_report.resolve_run(root, run_id)
+        except run_report.RunNotFound:
+            return no_folder(run_id, "quality")
+        report = run_report.quality_report(run, airflow_run(run_id))
         mask = report["loss_mask"]
         chart = charts.histogram(mask["histogram"], highlight_at_or_below=mask["empty_at_or_below"],
                                  x_title="loss_mask.sum() (tokens)")
@@ -180,7 +193,11 @@ def build_app(output_root: Path, auth: Callable, airflow: AirflowView | None = N
 
     @app.get("/runs/{run_id}/fleet", response_class=HTMLResponse)
     def fleet(run_id: str):
-        report = run_report.fleet_report(run_dir(run_id), airflow_run(run_id))
+        try:
+            run = run_report.resolve_run(root, run_id)
+        except run_report.RunNotFound:
+            return no_folder(run_id, "fleet")
+        report = run_report.fleet_report(run, airflow_run(run_id))
         tp = report["throughput"]
         servers = {_short(name): values for name, values in tp["servers"].items()}
         chart = charts.time_series(servers, bin_s=tp["bin_s"], x_title="time since the first answer (pauses cut out)",

@@ -37,18 +37,11 @@ def _first_line(text) -> str:
     return (str(text or "").strip().splitlines() or [""])[0]
 
 
-def run_state(run: Path, airflow_run: dict | None) -> dict:
+def run_state(run: Path | None, airflow_run: dict | None) -> dict:
     """The run's state, dates, failed tasks with their first error line where the folder has it, and where it
-    stopped; from Airflow when it knows the run, else what the folder alone can tell."""
-    layout = RunLayout(run)
-    errors = {"health_check": _first_line((_json(layout.report("health")) or {}).get("error")),
-              "smoke_test": _first_line((_json(layout.report("smoke")) or {}).get("error"))}
-    quality = _json(layout.report("quality"))
-    if quality is not None and not quality.get("success"):
-        failed = [f"{e['expectation']} {e.get('kwargs', {}).get('column', '')}: observed {e.get('observed')}"
-                  for e in quality.get("expectations", []) if not e.get("success")]
-        errors["validate"] = "quality gate failed: " + "; ".join(failed)
-    statuses = _statuses(run)
+    stopped; from Airflow when it knows the run, else what the folder alone can tell. `run` is None for a run
+    that has no folder yet (queued, or failed before it wrote one): Airflow's state alone."""
+    errors, statuses = (_folder_errors(run), _statuses(run)) if run else ({}, {})
     if airflow_run is None:
         return {"known": False, "state": None, "start": None, "end": None, "duration_s": None, "failed": [],
                 "stopped_at": None, "not_run": [], "running": []}
@@ -59,7 +52,7 @@ def run_state(run: Path, airflow_run: dict | None) -> dict:
         if t["state"] != "failed":
             continue
         error = errors.get(t["task_id"], "")
-        if t["task_id"] == "generate" or t["task_id"].endswith(".generate"):
+        if run and (t["task_id"] == "generate" or t["task_id"].endswith(".generate")):
             shard = next((n for n, ti in _generate_tis(run, airflow_run).items() if ti is t), t["map_index"])
             attempts = (statuses.get(shard) or {}).get("attempts", [])
             error = next((a.get("error", "") for a in reversed(attempts) if a.get("state") == "failed"), "")
@@ -78,6 +71,19 @@ def run_state(run: Path, airflow_run: dict | None) -> dict:
             "running": [_ti_label(t) for t in tasks if t["state"] in {"running", "queued", "up_for_retry"}]}
 
 
+def _folder_errors(run: Path) -> dict[str, str]:
+    """The first error line of each task whose failure the run folder records (the gates' reports)."""
+    layout = RunLayout(run)
+    errors = {"health_check": _first_line((_json(layout.report("health")) or {}).get("error")),
+              "smoke_test": _first_line((_json(layout.report("smoke")) or {}).get("error"))}
+    quality = _json(layout.report("quality"))
+    if quality is not None and not quality.get("success"):
+        failed = [f"{e['expectation']} {e.get('kwargs', {}).get('column', '')}: observed {e.get('observed')}"
+                  for e in quality.get("expectations", []) if not e.get("success")]
+        errors["validate"] = "quality gate failed: " + "; ".join(failed)
+    return errors
+
+
 def list_runs(output_root: Path, airflow_runs: list[dict] | None = None) -> dict:
     """Airflow's runs of the DAG with their folder's counts, and folders no Airflow run matches."""
     folders = {p.name: p for p in runs_dir(output_root).glob("*") if p.is_dir()}
@@ -85,10 +91,14 @@ def list_runs(output_root: Path, airflow_runs: list[dict] | None = None) -> dict
     for r in airflow_runs or []:
         folder = folders.pop(safe_run_id(r["run_id"]), None)
         rows.append({**r, "duration_s": None if r.get("start") is None else (r.get("end") or time.time()) - r["start"],
-                     "folder": folder is not None, **(_run_counts(folder) if folder else {})})
+                     "folder": folder is not None, **(_run_counts(folder) if folder else NO_COUNTS)})
     orphans = [{"run_id": name, "modified": p.stat().st_mtime, **_run_counts(p)}
                for name, p in sorted(folders.items(), key=lambda kv: kv[1].stat().st_mtime, reverse=True)]
     return {"airflow": airflow_runs is not None, "runs": rows, "folders": orphans}
+
+
+# A run with no folder yet (queued, or failed before it wrote one) has no counts: every row has the same keys.
+NO_COUNTS = {"prompts": None, "published": None, "quarantined": None, "quality": None, "data_docs": False}
 
 
 def _run_counts(run: Path) -> dict:
