@@ -2,8 +2,9 @@
 
 The pages are the library's FastAPI app (`dflash_regen.report_pages`), mounted at /dflash. A mounted plugin
 app gets no authentication from Airflow, so every route requires Airflow's own `get_user` (the UI's `_token`
-cookie or a Bearer token): anonymous requests get 401. Runs are read from the api-server's output root
-(env DFLASH_OUTPUT_ROOT, the form's default) and nothing outside it is served.
+cookie or a Bearer token): anonymous requests get 401. Runs are read from the output root each run's conf
+named, among the roots the api-server serves (env DFLASH_OUTPUT_ROOT, the form's default, and DFLASH_SERVED_ROOTS);
+a run naming any other root is refused, so a conf cannot open arbitrary paths to the UI.
 
 Run and task states come from Airflow's metadata DB, read-only, through the api-server's own session: the run
 folder cannot tell a run the operator marked failed, a task killed before it wrote anything, or Airflow's run
@@ -11,7 +12,6 @@ id and dates; the DB can, at the cost of two small indexed queries per page view
 """
 
 from datetime import datetime
-from pathlib import Path
 from urllib.parse import quote
 
 from airflow.api_fastapi.core_api.security import get_user
@@ -21,7 +21,7 @@ from airflow.plugins_manager import AirflowPlugin
 from airflow.utils.session import create_session
 from sqlalchemy import select
 
-from dflash_regen.config import DEFAULTS
+from dflash_regen.deployment import deployment
 from dflash_regen.report_pages import build_app
 
 PREFIX = "/dflash"
@@ -33,6 +33,12 @@ def _ts(value: datetime | None) -> float | None:
     return value.timestamp() if value else None
 
 
+def _run(row) -> dict:
+    """A run as the pages take it; `output_root` is the root its conf named (None: the deployment's default)."""
+    return {"run_id": row[0], "state": row[1], "start": _ts(row[2]), "end": _ts(row[3]), "run_after": _ts(row[4]),
+            "output_root": (row[5] or {}).get("output_root")}
+
+
 class AirflowRuns:
     """The DAG's runs and task instances as plain dicts (what `report_pages` expects of `airflow`)."""
 
@@ -41,23 +47,21 @@ class AirflowRuns:
     def runs(self) -> list[dict]:
         with create_session() as session:
             rows = session.execute(select(DagRun.run_id, DagRun._state, DagRun.start_date, DagRun.end_date,
-                                          DagRun.run_after).where(DagRun.dag_id == DAG_ID)
+                                          DagRun.run_after, DagRun.conf).where(DagRun.dag_id == DAG_ID)
                                    .order_by(DagRun.run_after.desc()).limit(RUNS_LISTED)).all()
-        return [{"run_id": r[0], "state": r[1], "start": _ts(r[2]), "end": _ts(r[3]), "run_after": _ts(r[4])}
-                for r in rows]
+        return [_run(r) for r in rows]
 
     def run(self, run_id: str) -> dict | None:
         with create_session() as session:
             run = session.execute(select(DagRun.run_id, DagRun._state, DagRun.start_date, DagRun.end_date,
-                                         DagRun.run_after)
+                                         DagRun.run_after, DagRun.conf)
                                   .where(DagRun.dag_id == DAG_ID, DagRun.run_id == run_id)).first()
             if run is None:
                 return None
             tis = session.execute(select(TaskInstance.task_id, TaskInstance.map_index, TaskInstance.state,
                                          TaskInstance.try_number, TaskInstance.start_date, TaskInstance.end_date)
                                   .where(TaskInstance.dag_id == DAG_ID, TaskInstance.run_id == run_id)).all()
-        return {"run_id": run[0], "state": run[1], "start": _ts(run[2]), "end": _ts(run[3]), "run_after": _ts(run[4]),
-                "tasks": [{"task_id": t[0], "map_index": t[1], "state": t[2], "try_number": t[3],
+        return {**_run(run), "tasks": [{"task_id": t[0], "map_index": t[1], "state": t[2], "try_number": t[3],
                            "start": _ts(t[4]), "end": _ts(t[5])} for t in tis]}
 
 
@@ -76,7 +80,7 @@ RUNS_ICON = _icon("<path d='M8 6h13M8 12h13M8 18h13M3 6h.01M3 12h.01M3 18h.01'/>
 
 class DflashRegenUI(AirflowPlugin):
     name = "dflash_regen_ui"
-    fastapi_apps = [{"app": build_app(Path(DEFAULTS["output_root"]), get_user, AirflowRuns()), "url_prefix": PREFIX,
+    fastapi_apps = [{"app": build_app(deployment().report_roots(), get_user, AirflowRuns()), "url_prefix": PREFIX,
                      "name": "dflash-regen reports"}]
     # With url_route the UI shows the page inside Airflow (an iframe); {RUN_ID} is filled in on run pages.
     external_views = [

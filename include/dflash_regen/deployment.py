@@ -40,6 +40,9 @@ class Deployment:
       DFLASH_GENERATE_RETRIES  retries of a failed shard (3; 0 leaves it for a human to clear)
       DFLASH_WORKER_QUEUE      the Celery queue of every task ('' = Airflow's default queue)
       DFLASH_NODES             several GPU nodes, a JSON list (dflash_regen.nodes; '' = one node)
+    Read by the report pages (the api-server):
+      DFLASH_SERVED_ROOTS      more output roots whose runs the pages show, ':'-separated ('' = only output_root);
+                               a run whose conf names another root is refused, so a conf cannot open any path
     """
 
     model_source: str = DEMO_MODEL
@@ -53,6 +56,16 @@ class Deployment:
     generate_retries: int = 3
     worker_queue: str = ""
     nodes: str = ""  # parsed by dflash_regen.nodes.parse_nodes, which owns the format
+    served_roots: str = ""
+
+    def report_roots(self) -> list[Path]:
+        """The output roots the report pages may read: the default one first, then DFLASH_SERVED_ROOTS."""
+        roots = [r.strip() for r in (self.output_root, *self.served_roots.split(os.pathsep)) if r.strip()]
+        relative = [r for r in roots if not os.path.isabs(r)]
+        if relative:
+            raise ConfigError(f"DFLASH_SERVED_ROOTS / DFLASH_OUTPUT_ROOT name relative paths {relative}: give "
+                              "absolute paths, ':'-separated")
+        return list(dict.fromkeys(Path(os.path.normpath(r)) for r in roots))
 
     def param_defaults(self) -> dict[str, Any]:
         return {"model_source_dir": self.model_source, "staging_dir": self.staging_dir,
@@ -65,7 +78,8 @@ _ENV = {"model_source": "DFLASH_MODEL_SOURCE", "staging_dir": "DFLASH_STAGING_DI
         "server_command": "DFLASH_SERVER_COMMAND", "base_port": "DFLASH_BASE_PORT",
         "prompt_source": "DFLASH_PROMPT_SOURCE", "output_root": "DFLASH_OUTPUT_ROOT",
         "emulator_profile": "DFLASH_EMULATOR_PROFILE", "parallel_shards": "DFLASH_PARALLEL_SHARDS",
-        "generate_retries": "DFLASH_GENERATE_RETRIES", "worker_queue": "DFLASH_WORKER_QUEUE", "nodes": NODES_ENV}
+        "generate_retries": "DFLASH_GENERATE_RETRIES", "worker_queue": "DFLASH_WORKER_QUEUE", "nodes": NODES_ENV,
+        "served_roots": "DFLASH_SERVED_ROOTS"}
 
 
 def deployment(environ: Mapping[str, str] | None = None) -> Deployment:

@@ -375,3 +375,35 @@ def test_a_run_without_a_folder_is_a_row_and_its_tabs_show_airflows_state(root):
         queued = client.get(f"/runs/manual__queued/{page}")
         assert queued.status_code == 200 and "it is queued" in queued.text
     assert client.get("/runs/manual__unknown/quality").status_code == 404
+
+
+def test_a_run_on_a_second_served_root_is_shown_and_a_conf_naming_another_root_is_refused(root, tmp_path):
+    """Each run is read under the output root its conf named, if the deployment serves that root; a conf naming
+    any other path opens nothing."""
+    second = tmp_path / "second"
+    shutil.copytree(runs_dir(root) / FOLDER, runs_dir(second) / "manual__elsewhere")
+    (tmp_path / "outside" / "runs" / "manual__outside" / "reports").mkdir(parents=True)
+
+    class Roots(Airflow):
+        def runs(self):  # Airflow.run reads its own run from the first row
+            return super().runs() + [{"run_id": "manual__elsewhere", "state": "success", "start": 1.0, "end": 2.0,
+                                      "output_root": str(second) + "/"},
+                                     {"run_id": "manual__outside", "state": "success", "start": 1.0, "end": 2.0,
+                                      "output_root": str(tmp_path / "outside")}]
+
+        def run(self, run_id):
+            listed = {r["run_id"]: r for r in self.runs()}
+            return {**listed[run_id], "tasks": []} if run_id in listed and run_id != RUN else super().run(run_id)
+
+    client = TestClient(build_app([root, second], require_token, Roots()), headers={"Authorization": "Bearer good"})
+    rows = client.get("/").text.split('id="runs"', 1)[1].split("</table>", 1)[0]
+    elsewhere = rows.split(">manual__elsewhere</a>", 1)[1].split("</tr>", 1)[0]
+    assert '<td class="num">10</td><td class="num">4</td>' in elsewhere  # its counts, read under the second root
+    outside = rows.split(">manual__outside</a>", 1)[1].split("</tr>", 1)[0]
+    assert "is not served here" in outside and "runs/manual__outside/quality" not in outside
+    assert "loss_mask_sum" in client.get("/runs/manual__elsewhere/quality").text
+    assert client.get("/runs/manual__elsewhere/quality.json").json()["kept"] == 4
+    for path in ("quality", "fleet", "quality.json", "data-docs/index.html"):
+        refused = client.get(f"/runs/manual__outside/{path}")
+        assert refused.status_code == 403 and "DFLASH_SERVED_ROOTS" in refused.text, path
+    assert client.get(f"/runs/{RUN}/quality.json").json()["kept"] == 4

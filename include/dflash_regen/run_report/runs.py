@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
@@ -84,17 +85,31 @@ def _folder_errors(run: Path) -> dict[str, str]:
     return errors
 
 
-def list_runs(output_root: Path, airflow_runs: list[dict] | None = None) -> dict:
-    """Airflow's runs of the DAG with their folder's counts, and folders no Airflow run matches."""
-    folders = {p.name: p for p in runs_dir(output_root).glob("*") if p.is_dir()}
+def list_runs(roots: list[Path], airflow_runs: list[dict] | None = None) -> dict:
+    """Airflow's runs of the DAG with their folder's counts, each under the output root its conf named (the
+    first root when it named none), and the folders no Airflow run matches. A run whose root is not in `roots`
+    is listed as refused: its folder is not read."""
+    folders = {(root, p.name): p for root in roots for p in runs_dir(root).glob("*") if p.is_dir()}
     rows = []
     for r in airflow_runs or []:
-        folder = folders.pop(safe_run_id(r["run_id"]), None)
+        root = run_root(roots, r)
+        folder = folders.pop((root, safe_run_id(r["run_id"])), None) if root else None
         rows.append({**r, "duration_s": None if r.get("start") is None else (r.get("end") or time.time()) - r["start"],
-                     "folder": folder is not None, **(_run_counts(folder) if folder else NO_COUNTS)})
-    orphans = [{"run_id": name, "modified": p.stat().st_mtime, **_run_counts(p)}
-               for name, p in sorted(folders.items(), key=lambda kv: kv[1].stat().st_mtime, reverse=True)]
+                     "folder": folder is not None, "refused": root is None,
+                     **(_run_counts(folder) if folder else NO_COUNTS)})
+    orphans = [{"run_id": name, "root": str(root), "modified": p.stat().st_mtime, **_run_counts(p)}
+               for (root, name), p in sorted(folders.items(), key=lambda kv: kv[1].stat().st_mtime, reverse=True)]
     return {"airflow": airflow_runs is not None, "runs": rows, "folders": orphans}
+
+
+def run_root(roots: list[Path], airflow_run: dict) -> Path | None:
+    """The output root of a run Airflow knows: the one its conf named, if the deployment serves it (None if not),
+    else the default (first) root."""
+    named = airflow_run.get("output_root")
+    if not named:
+        return roots[0]
+    root = Path(os.path.normpath(str(named)))
+    return root if root in roots else None
 
 
 # A run with no folder yet (queued, or failed before it wrote one) has no counts: every row has the same keys.
