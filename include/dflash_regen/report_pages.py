@@ -106,8 +106,13 @@ def _detail(server: str | None) -> str:
     return (server or "").partition(" (")[2].removesuffix(")")
 
 
+def _breakable(name: str) -> Markup:
+    """'expect_column_values_to_be_between' may wrap after an underscore, never inside a word."""
+    return Markup("_<wbr>").join(escape(part) for part in str(name).split("_"))
+
+
 TEMPLATES.filters.update(duration=_duration, number=_number, when=_when, short=_short, detail=_detail,
-                         urlpart=lambda s: quote(str(s), safe=""))
+                         breakable=_breakable, urlpart=lambda s: quote(str(s), safe=""))
 
 
 def _page(template: str, status_code: int = 200, **context) -> HTMLResponse:

@@ -161,6 +161,7 @@ def test_quality_page_shows_failed_expectations_counts_and_the_empty_answer_spik
     html = client.get(f"/runs/{RUN}/quality").text
     assert "counts reconcile" in html and "4 unexpected" in html and 'class="badge fail">fail' in html
     assert 'class="bar bad"' in html  # the bin holding the 6-token masks is drawn as bad
+    assert "expect_<wbr>column_<wbr>values_<wbr>to_<wbr>be_<wbr>between" in html  # wraps between words only
 
 
 def test_fleet_page_shows_allocation_smoke_and_progress_without_double_counting_parts(client):
@@ -271,6 +272,10 @@ def test_throughput_chart_cuts_out_the_pause_between_attempts():
     svg = charts.time_series(series["servers"], bin_s=series["bin_s"], x_title="t", y_title="tok/s",
                              ticks=series["ticks"], breaks=series["breaks"], marks=series["marks"])
     assert "10m01 idle" in svg and svg.count("<polyline") == 2 and "10m30" in svg
+    # the idle label sits at the bottom of the plot, below the incident marks stacked from the top
+    idle_y = float(re.search(r'<text class="break" x="[\d.]+" y="([\d.]+)"', svg).group(1))
+    mark_y = [float(y) for y in re.findall(r'<circle cx="[\d.]+" cy="([\d.]+)" r="7"', svg)]
+    assert mark_y and all(idle_y > y + 20 for y in mark_y)
 
 
 def test_data_docs_are_served_offline_and_nothing_outside_them(client):
