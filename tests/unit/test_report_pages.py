@@ -412,3 +412,27 @@ def test_a_run_on_a_second_served_root_is_shown_and_a_conf_naming_another_root_i
         refused = client.get(f"/runs/manual__outside/{path}")
         assert refused.status_code == 403 and "DFLASH_SERVED_ROOTS" in refused.text, path
     assert client.get(f"/runs/{RUN}/quality.json").json()["kept"] == 4
+
+
+def test_while_the_run_goes_on_its_failures_read_as_so_far_not_as_a_verdict(root):
+    """A failed shard of a running run is cleared and finishes; the verdict task and the tasks that merely wait
+    must not read as final."""
+
+    class Running(Airflow):
+        def run(self, run_id):
+            run = super().run(run_id)
+            run["tasks"] += [{"task_id": "check_published", "map_index": -1, "state": "failed", "try_number": 1},
+                             {"task_id": "stop_fleet", "map_index": -1, "state": None, "try_number": 0},
+                             {"task_id": "generate", "map_index": 2, "state": "running", "try_number": 1}]
+            return run
+
+    client = TestClient(build_app(root, require_token, Running("running", failed={"generate[0]"})),
+                        headers={"Authorization": "Bearer good"})
+    html = client.get(f"/runs/{RUN}/fleet").text
+    assert "<b>generate[0]</b> failed" in html and "Failed so far" in html
+    assert "<b>check_published</b>" not in html
+    held = html.split("held back by the failures above", 1)[1].split("</p>", 1)[0]
+    assert "validate, publish" in held and "stop_fleet" not in held
+    done = TestClient(build_app(root, require_token, Running("failed", failed={"generate[0]"})),
+                      headers={"Authorization": "Bearer good"}).get(f"/runs/{RUN}/fleet").text
+    assert "<b>check_published</b> failed" in done and "not run: validate, publish, stop_fleet" in done

@@ -14,6 +14,8 @@ from dflash_regen.run_report.files import _assignment, _json, _statuses
 # Tasks in pipeline order: where a failed run stopped, what never ran.
 PIPELINE = ("stage_weights", "launch_fleet", "health_check", "smoke_test", "plan_shards", "calibrate", "generate",
             "tokenize", "validate", "publish", "stop_fleet")
+# The run's verdict (a teardown): it fails whenever nothing was published, so it says nothing while the run goes on.
+VERDICT = "check_published"
 RUNNING_STATES = {"running", "queued", "scheduled", "up_for_retry", "up_for_reschedule", "restarting", "deferred"}
 
 
@@ -48,9 +50,11 @@ def run_state(run: Path | None, airflow_run: dict | None) -> dict:
                 "stopped_at": None, "not_run": [], "running": []}
     tasks = sorted(airflow_run.get("tasks", []), key=lambda t: (PIPELINE.index(t["task_id"])
                                                                 if t["task_id"] in PIPELINE else 99, t["map_index"]))
+    state = airflow_run.get("state")
+    going = state in RUNNING_STATES  # a running run's failures can still be cleared: nothing here is final yet
     failed = []
     for t in tasks:
-        if t["state"] != "failed":
+        if t["state"] != "failed" or (going and t["task_id"] == VERDICT):
             continue
         error = errors.get(t["task_id"], "")
         if run and (t["task_id"] == "generate" or t["task_id"].endswith(".generate")):
@@ -62,10 +66,10 @@ def run_state(run: Path | None, airflow_run: dict | None) -> dict:
     not_run = []
     for name in PIPELINE:
         states = {t["state"] for t in tasks if t["task_id"] == name}
-        if states and states <= {"upstream_failed", "skipped", "removed", None}:
+        # a task with no state yet is only waiting while the run goes on
+        if states and states <= {"upstream_failed", "skipped", "removed"} | (set() if going else {None}):
             not_run.append(name)
     start, end = airflow_run.get("start"), airflow_run.get("end")
-    state = airflow_run.get("state")
     return {"known": True, "run_id": airflow_run["run_id"], "state": state, "start": start, "end": end,
             "duration_s": None if start is None else (end or time.time()) - start,
             "failed": failed, "stopped_at": failed[0]["task"] if failed else None, "not_run": not_run,
