@@ -20,23 +20,9 @@ from typing import Any
 from dflash_regen.deployment import DEMO_MODEL, DEMO_PROMPTS, EMULATOR
 from dflash_regen.errors import ConfigError
 from dflash_regen.layout import RunLayout
-from dflash_regen.params import SPECS, checked, defaults
+from dflash_regen.params import COOKBOOK_ENV, COOKBOOK_FLAGS, SPECS, checked, defaults
 from dflash_regen.params import invalid as _fail
 
-# Qwen3.6-27B with MTP as SGLang's cookbook launches it (notes/sglang-api.md §1.1). Every flag can be
-# overridden or extended by the `server_flags` Param.
-COOKBOOK_FLAGS: dict[str, str | None] = {
-    "--reasoning-parser": "qwen3",
-    "--tool-call-parser": "qwen3_coder",
-    "--speculative-algorithm": "EAGLE",
-    "--speculative-num-steps": "3",
-    "--speculative-eagle-topk": "1",
-    "--speculative-num-draft-tokens": "4",
-    "--mamba-scheduler-strategy": "extra_buffer",
-    "--mem-fraction-static": "0.8",
-    "--enable-metrics": None,
-}
-COOKBOOK_ENV = {"SGLANG_ENABLE_SPEC_V2": "1"}
 LAUNCHER_FLAGS = {"--model-path", "--model", "--host", "--port", "--api-key"}  # set per server by fleet.launch
 MAX_PORT = SPECS["base_port"].maximum  # the last server's port too
 

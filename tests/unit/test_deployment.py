@@ -50,3 +50,8 @@ def test_the_report_pages_serve_the_output_root_first_then_the_listed_ones_and_o
     assert [str(r) for r in Deployment(output_root="/x").report_roots()] == ["/x"]
     with pytest.raises(ConfigError, match=r"relative paths \['data'\]"):
         deployment({**ENV, "DFLASH_SERVED_ROOTS": "data"}).report_roots()
+
+
+def test_a_deployment_may_size_the_shards_for_its_prompts():
+    assert defaults(deployment({"DFLASH_SHARD_SIZE": "20"}))["shard_size"] == 20
+    assert defaults(deployment({}))["shard_size"] == 1000  # the Param table's
