@@ -11,11 +11,13 @@ folder cannot tell a run the operator marked failed, a task killed before it wro
 id and dates; the DB can, at the cost of two small indexed queries per page view.
 """
 
+import json
 from datetime import datetime
 from urllib.parse import quote
 
 from airflow.api_fastapi.core_api.security import get_user
 from airflow.models.dagrun import DagRun
+from airflow.models.log import Log
 from airflow.models.taskinstance import TaskInstance
 from airflow.plugins_manager import AirflowPlugin
 from airflow.utils.session import create_session
@@ -37,6 +39,18 @@ def _run(row) -> dict:
     """A run as the pages take it; `output_root` is the root its conf named (None: the deployment's default)."""
     return {"run_id": row[0], "state": row[1], "start": _ts(row[2]), "end": _ts(row[3]), "run_after": _ts(row[4]),
             "output_root": (row[5] or {}).get("output_root")}
+
+
+def _stopped(row) -> dict | None:
+    """Who marked the run failed and when, from Airflow's audit log (the UI's "Mark run as failed" and the REST
+    API's PATCH of the run both log a patch_dag_run event); None if the last change of its state was not that."""
+    if row is None:
+        return None
+    try:
+        state = json.loads(row[3] or "{}").get("state")
+    except ValueError:
+        return None
+    return {"by": row[0] or row[1], "at": _ts(row[2])} if state == "failed" else None
 
 
 class AirflowRuns:
@@ -61,8 +75,12 @@ class AirflowRuns:
             tis = session.execute(select(TaskInstance.task_id, TaskInstance.map_index, TaskInstance.state,
                                          TaskInstance.try_number, TaskInstance.start_date, TaskInstance.end_date)
                                   .where(TaskInstance.dag_id == DAG_ID, TaskInstance.run_id == run_id)).all()
-        return {**_run(run), "tasks": [{"task_id": t[0], "map_index": t[1], "state": t[2], "try_number": t[3],
-                           "start": _ts(t[4]), "end": _ts(t[5])} for t in tis]}
+            stop = session.execute(select(Log.owner_display_name, Log.owner, Log.dttm, Log.extra)
+                                   .where(Log.dag_id == DAG_ID, Log.run_id == run_id, Log.event == "patch_dag_run")
+                                   .order_by(Log.dttm.desc()).limit(1)).first()
+        tasks = [{"task_id": t[0], "map_index": t[1], "state": t[2], "try_number": t[3], "start": _ts(t[4]),
+                  "end": _ts(t[5])} for t in tis]
+        return {**_run(run), "stopped": _stopped(stop), "tasks": tasks}
 
 
 def _icon(path: str) -> str:

@@ -436,3 +436,22 @@ def test_while_the_run_goes_on_its_failures_read_as_so_far_not_as_a_verdict(root
     done = TestClient(build_app(root, require_token, Running("failed", failed={"generate[0]"})),
                       headers={"Authorization": "Bearer good"}).get(f"/runs/{RUN}/fleet").text
     assert "<b>check_published</b> failed" in done and "not run: validate, publish, stop_fleet" in done
+
+
+def test_a_run_the_operator_stopped_says_who_stopped_it_not_that_the_hardware_failed(root):
+    class Stopped(Airflow):
+        def run(self, run_id):
+            run = super().run(run_id)
+            for t in run["tasks"]:
+                t["end"] = 1090.0 if t["task_id"] == "generate" and t["map_index"] == 1 else 1000.0
+            return {**run, "stopped": {"by": "alice", "at": 1080.0}}
+
+    client = TestClient(build_app(root, require_token, Stopped("failed", failed={"generate[0]", "generate[1]"})),
+                        headers={"Authorization": "Bearer good"})
+    html = client.get(f"/runs/{RUN}/fleet").text
+    assert "Stopped by <b>alice</b>" in html and "marked failed by hand" not in html
+    failures = html.split('id="failures"', 1)[1].split("</ul>", 1)[0]
+    one = failures.split("<b>generate[1]</b>", 1)[1].split("</li>", 1)[0]
+    assert "stopped with the run by alice" in one  # ended after the stop: the stop ended it
+    zero = failures.split("<b>generate[0]</b>", 1)[1].split("</li>", 1)[0]
+    assert "server 2 stopped answering" in zero  # failed before the stop: its own cause stays

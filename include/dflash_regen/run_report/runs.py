@@ -46,12 +46,14 @@ def run_state(run: Path | None, airflow_run: dict | None) -> dict:
     that has no folder yet (queued, or failed before it wrote one): Airflow's state alone."""
     errors, statuses = (_folder_errors(run), _statuses(run)) if run else ({}, {})
     if airflow_run is None:
-        return {"known": False, "state": None, "start": None, "end": None, "duration_s": None, "failed": [],
+        return {"known": False, "state": None, "start": None, "end": None, "duration_s": None, "stopped_by": None,
+                "failed": [],
                 "stopped_at": None, "not_run": [], "running": []}
     tasks = sorted(airflow_run.get("tasks", []), key=lambda t: (PIPELINE.index(t["task_id"])
                                                                 if t["task_id"] in PIPELINE else 99, t["map_index"]))
     state = airflow_run.get("state")
     going = state in RUNNING_STATES  # a running run's failures can still be cleared: nothing here is final yet
+    stopped = airflow_run.get("stopped") if state == "failed" else None  # {by, at}: marked failed by a user
     failed = []
     for t in tasks:
         if t["state"] != "failed" or (going and t["task_id"] == VERDICT):
@@ -61,6 +63,8 @@ def run_state(run: Path | None, airflow_run: dict | None) -> dict:
             shard = next((n for n, ti in _generate_tis(run, airflow_run).items() if ti is t), t["map_index"])
             attempts = (statuses.get(shard) or {}).get("attempts", [])
             error = next((a.get("error", "") for a in reversed(attempts) if a.get("state") == "failed"), "")
+        if stopped and (t.get("end") or 0) >= stopped["at"]:  # ended by the operator's stop, not by a fault
+            error = f"stopped with the run by {stopped['by']}"
         failed.append({"task": _ti_label(t), "task_id": t["task_id"], "map_index": t["map_index"],
                        "try_number": t["try_number"], "error": error})
     not_run = []
@@ -72,6 +76,7 @@ def run_state(run: Path | None, airflow_run: dict | None) -> dict:
     start, end = airflow_run.get("start"), airflow_run.get("end")
     return {"known": True, "run_id": airflow_run["run_id"], "state": state, "start": start, "end": end,
             "duration_s": None if start is None else (end or time.time()) - start,
+            "stopped_by": stopped,
             "failed": failed, "stopped_at": failed[0]["task"] if failed else None, "not_run": not_run,
             "running": [_ti_label(t) for t in tasks if t["state"] in {"running", "queued", "up_for_retry"}]}
 
