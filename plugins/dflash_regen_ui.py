@@ -19,9 +19,10 @@ from airflow.api_fastapi.core_api.security import get_user
 from airflow.models.dagrun import DagRun
 from airflow.models.log import Log
 from airflow.models.taskinstance import TaskInstance
+from airflow.models.taskinstancehistory import TaskInstanceHistory
 from airflow.plugins_manager import AirflowPlugin
 from airflow.utils.session import create_session
-from sqlalchemy import select
+from sqlalchemy import func, select
 
 from dflash_regen.deployment import deployment
 from dflash_regen.report_pages import build_app
@@ -39,6 +40,10 @@ def _run(row) -> dict:
     """A run as the pages take it; `output_root` is the root its conf named (None: the deployment's default)."""
     return {"run_id": row[0], "state": row[1], "start": _ts(row[2]), "end": _ts(row[3]), "run_after": _ts(row[4]),
             "output_root": (row[5] or {}).get("output_root")}
+
+
+def _earliest(*stamps: float | None) -> float | None:
+    return min((t for t in stamps if t is not None), default=None)
 
 
 def _stopped(row) -> dict | None:
@@ -63,7 +68,13 @@ class AirflowRuns:
             rows = session.execute(select(DagRun.run_id, DagRun._state, DagRun.start_date, DagRun.end_date,
                                           DagRun.run_after, DagRun.conf).where(DagRun.dag_id == DAG_ID)
                                    .order_by(DagRun.run_after.desc()).limit(RUNS_LISTED)).all()
-        return [_run(r) for r in rows]
+            first = {}  # per run, its first try's start: a clear resets the run's own start date
+            for model in (TaskInstance, TaskInstanceHistory):
+                for run_id, start in session.execute(select(model.run_id, func.min(model.start_date))
+                                                     .where(model.dag_id == DAG_ID).group_by(model.run_id)):
+                    if start is not None:
+                        first[run_id] = min(start, first.get(run_id, start))
+        return [{**run, "start": _earliest(run["start"], _ts(first.get(run["run_id"])))} for run in map(_run, rows)]
 
     def run(self, run_id: str) -> dict | None:
         with create_session() as session:
@@ -78,9 +89,15 @@ class AirflowRuns:
             stop = session.execute(select(Log.owner_display_name, Log.owner, Log.dttm, Log.extra)
                                    .where(Log.dag_id == DAG_ID, Log.run_id == run_id, Log.event == "patch_dag_run")
                                    .order_by(Log.dttm.desc()).limit(1)).first()
+            # A clear resets the run's start date; its first try's start is in the task instance history.
+            first_try = session.execute(select(func.min(TaskInstanceHistory.start_date))
+                                        .where(TaskInstanceHistory.dag_id == DAG_ID,
+                                               TaskInstanceHistory.run_id == run_id)).scalar()
         tasks = [{"task_id": t[0], "map_index": t[1], "state": t[2], "try_number": t[3], "start": _ts(t[4]),
                   "end": _ts(t[5])} for t in tis]
-        return {**_run(run), "stopped": _stopped(stop), "tasks": tasks}
+        found = _run(run)
+        start = _earliest(found["start"], _ts(first_try), *(t["start"] for t in tasks))
+        return {**found, "start": start, "stopped": _stopped(stop), "tasks": tasks}
 
 
 def _icon(path: str) -> str:

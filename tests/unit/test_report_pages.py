@@ -3,6 +3,7 @@
 import json
 import re
 import shutil
+import time
 from pathlib import Path
 
 import numpy as np
@@ -455,3 +456,40 @@ def test_a_run_the_operator_stopped_says_who_stopped_it_not_that_the_hardware_fa
     assert "stopped with the run by alice" in one  # ended after the stop: the stop ended it
     zero = failures.split("<b>generate[0]</b>", 1)[1].split("</li>", 1)[0]
     assert "server 2 stopped answering" in zero  # failed before the stop: its own cause stays
+
+
+def test_a_relaunch_keeps_the_history_the_dead_gpu_its_incident_and_each_shards_servers(root):
+    """After a kill, a clear relaunches the fleet (its unhealthy markers cleared) and health_check passes again:
+    the incident, the GPU that died and the servers each shard ran on must all still be shown."""
+    import os
+
+    from dflash_regen import fleet
+
+    run = RunLayout.of(root, FOLDER)
+    dead = fleet.Server(index=2, gpu="2", host="127.0.0.1", port=30002, argv=[], log_path="")
+    fleet.mark_unhealthy(run.fleet_dir, dead, "the server process was killed by SIGKILL\nlast lines: ...")
+    for marker in run.fleet.launch_markers():  # what a relaunch clears
+        marker.unlink()
+    health = json.loads(run.report("health").read_text())
+    health["servers"].append({**health["servers"][0], "server": "server 2 (GPU 2, 127.0.0.1:30002)"})
+    run.report("health").write_text(json.dumps(health))
+    later = time.time() + 60
+    os.utime(run.report("health"), (later, later))  # the health check of the relaunched fleet came after
+
+    client = TestClient(build_app(root, require_token), headers={"Authorization": "Bearer good"})
+    report = client.get(f"/runs/{RUN}/fleet.json").json()
+    assert any(i["kind"] == "server unhealthy" and "SIGKILL" in i["text"] for i in report["incidents"])
+    html = client.get(f"/runs/{RUN}/fleet").text
+    row = server_row(html, "server 2")
+    assert "was marked unhealthy" in row and "SIGKILL" in row and "health check passed" in row
+    shards = html.split('id="shards"', 1)[1].split("</table>", 1)[0]
+    assert "server 2 &rarr; server 0" in shards  # shard 0's first try and its retry
+
+    os.utime(run.report("health"), (later - 7200, later - 7200))  # no health check since the marking
+    row = server_row(client.get(f"/runs/{RUN}/fleet").text, "server 2")
+    assert 'class="badge fail">unhealthy' in row and "marked unhealthy" in row
+
+
+def server_row(html: str, server: str) -> str:
+    table = html.split('id="servers"', 1)[1].split("</table>", 1)[0]
+    return next(r for r in table.split("<tr>") if f'title="{server} (' in r)
