@@ -5,7 +5,8 @@ rename within one filesystem is atomic). A tokenized shard with nothing to leave
 only when the run folder is on another filesystem, which the log says), so the dataset is not stored twice;
 only the shards that hold samples the quality gate quarantined are rewritten. A version that already exists is
 left alone, so a rerun of `publish` after a crash publishes once. Contents:
-- `conversations.jsonl`: SpecForge's online-training format (`{"id", "conversations": [...]}`);
+- `conversations.jsonl`: SpecForge's online-training format (`{"id", "conversations": [...], "tools"}`; `tools`
+  and each turn's `tool_calls` as JSON text, see `conversation.specforge_record`);
 - `tokenized/part-XXXXX.parquet`: `sample_id`, `input_ids` list<int32>, `loss_mask` list<int8>, `n_tokens`,
   `loss_mask_sum` (loadable with `datasets.load_dataset("parquet", data_dir=...)`);
 - `manifest.json` (counts, token totals, quality summary, input fingerprint, config, storage estimate)
@@ -175,8 +176,9 @@ top_p {manifest['config'].get('top_p')}, max_tokens {manifest['config'].get('max
 planned prompts): {_counts(source.get('repairs'))}.
 
 Files: `conversations.jsonl` (SpecForge training format; every row has `id`, `conversations` and `tools`,
-`[]` when none, and every turn `role`, `content`, `reasoning_content`, `tool_calls`, `tool_call_id`, empty
-when unused), `tokenized/` (input_ids, loss_mask; loss mask = the generated assistant turn incl. reasoning,
+and every turn `role`, `content`, `reasoning_content`, `tool_calls`, `tool_call_id`, empty when unused; `tools`
+and `tool_calls` are JSON text, `"[]"` when none: SpecForge decodes them itself, and every reader keeps them as
+written, e.g. `json.loads(row["tools"])`), `tokenized/` (input_ids, loss_mask; loss mask = the generated assistant turn incl. reasoning,
 SpecForge `qwen3.5` convention). Offline hidden states for this set would need about
 {manifest['storage']['offline_hidden_states_tb']:.1f} TB.
 """

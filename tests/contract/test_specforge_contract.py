@@ -98,7 +98,7 @@ def model_dir(tmp_path_factory):
                             tokenizer_cache=default_tokenizer_cache())
 
 
-SAME_KEYS = ("plain", "type-last", "type-first")
+SAME_KEYS = ("type-last", "plain", "type-first")  # a row with tools first here, one without in the other file
 
 
 def publish_rows(tok, rows, path) -> dict[str, tuple[list[int], list[int]]]:

@@ -8,7 +8,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 from conftest import FAST_PROFILE
 from dag_helpers import assert_ran_in_versions_mode, check_invariants, layout_of, logs, states
-from trainer_loaders import load_first_record_decides
+from specforge_check import assert_specforge_reproduces, judged, published_tokens
 
 from dflash_regen import sglang
 from dflash_regen.layout import COMPLETIONS, FAILURES
@@ -80,9 +80,11 @@ def test_demo_dag_runs_green_on_seven_emulated_servers(dag, run_params, no_lefto
     assert sorted(conversations["id"]) == sorted(tokenized["sample_id"])
     last = conversations[0]["conversations"][-1]
     assert last["role"] == "assistant" and last["reasoning_content"]
-    # SpecForge's offline loader takes its columns from the first record: every row must survive it whole.
-    trainer_rows = load_first_record_decides(version / "conversations.jsonl")
-    assert sum(json.loads(r["tools"]) != [] for r in trainer_rows) == sum(bool(t) for t in conversations["tools"]) > 0
+    # SpecForge's own parser, online and offline paths (tests/specforge_check.py) give our ids and masks on every row.
+    [verdict] = judged([version / "conversations.jsonl"], Path(conf["staging_dir"]), conf["train_max_length"],
+                       Path(conf["output_root"]) / "specforge-verdict.json")
+    assert_specforge_reproduces(verdict, published_tokens(version), conf["train_max_length"])
+    assert sum(json.loads(t) != [] for t in conversations["tools"]) > 0 and not any(verdict["readers"].values())
     assert manifest["input"]["repairs"] == plan["repairs"] and "type_name 72" in (version / "README.md").read_text()
     assert run.data_docs_index.is_file()
     assert manifest["quality"]["success"] and manifest["storage"]["offline_hidden_states_tb"] > 0
