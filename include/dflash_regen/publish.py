@@ -178,8 +178,9 @@ planned prompts): {_counts(source.get('repairs'))}.
 Files: `conversations.jsonl` (SpecForge training format; every row has `id`, `conversations` and `tools`,
 and every turn `role`, `content`, `reasoning_content`, `tool_calls`, `tool_call_id`, empty when unused; `tools`
 and `tool_calls` are JSON text, `"[]"` when none: SpecForge decodes them itself, and every reader keeps them as
-written, e.g. `json.loads(row["tools"])`), `tokenized/` (input_ids, loss_mask; loss mask = the generated assistant turn incl. reasoning,
-SpecForge `qwen3.5` convention). Offline hidden states for this set would need about
+written, e.g. `json.loads(row["tools"])`; `tools` as the SGLang server handed them to the chat template, so the
+trainer renders the prompt the model answered), `tokenized/` (input_ids, loss_mask; loss mask = the generated
+assistant turn incl. reasoning, SpecForge `qwen3.5` convention). Offline hidden states for this set would need about
 {manifest['storage']['offline_hidden_states_tb']:.1f} TB.
 """
 

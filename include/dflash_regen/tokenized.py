@@ -23,13 +23,16 @@ from dflash_regen import atomic, conversation
 from dflash_regen.layout import RunLayout
 from dflash_regen.quality import repetition_score
 from dflash_regen.schemas import SUMMARY, TOKENIZED
+from dflash_regen.sglang import Dialect
 from dflash_regen.tokenize import summarize_mask, tokenize_batch
 
 log = logging.getLogger(__name__)
 
 
 def tokenize_shard(prompts_path: Path, completions_path: Path, layout: RunLayout, shard: int, tokenizer, *,
-                   include_reasoning: bool) -> dict:
+                   include_reasoning: bool, dialect: Dialect | None = None) -> dict:
+    """`dialect`: the SGLang version that generated the shard; its server's tools block (`template_tools`) is the
+    one rendered and published, so the trainer's prompt is the one the model answered."""
     tokens_path, summary_path, conv_path = layout.tokenized(shard), layout.summary(shard), layout.conversations(shard)
     if tokens_path.is_file() and summary_path.is_file() and conv_path.is_file():
         return {"shard": shard, "samples": pq.read_metadata(tokens_path).num_rows, "skipped": True}
@@ -37,7 +40,7 @@ def tokenize_shard(prompts_path: Path, completions_path: Path, layout: RunLayout
     prompts = {r["sample_id"]: r for r in pq.read_table(prompts_path).to_pylist()}
     think_end = tokenizer.convert_tokens_to_ids("</think>")
     rows = pq.read_table(completions_path).to_pylist()
-    conversations = [conversation.from_rows(prompts[row["sample_id"]], row) for row in rows]
+    conversations = training_conversations(prompts, rows, dialect)
     tokenized = tokenize_batch(tokenizer, conversations, include_reasoning=include_reasoning)
     summary, records = [], []
     for row, (turns, tools), (ids, mask) in zip(rows, conversations, tokenized, strict=True):
@@ -64,6 +67,16 @@ def tokenize_shard(prompts_path: Path, completions_path: Path, layout: RunLayout
     log.info("shard %d: tokenized %d samples, %d tokens in %.1f s (%.0f tok/s)", shard, len(tokenized), n_tokens,
              seconds, n_tokens / max(seconds, 1e-9))
     return {"shard": shard, "samples": len(tokenized), "tokens": n_tokens, "skipped": False}
+
+
+def training_conversations(prompts: dict[str, dict], rows: list[dict], dialect: Dialect | None
+                           ) -> list[tuple[list[dict], list[dict] | None]]:
+    """(conversation, tools) of each completion row: its prompt row's turns plus the generated ones, and the tools
+    as `dialect`'s server handed them to the chat template (as sent when the version is unknown)."""
+    conversations = [conversation.from_rows(prompts[row["sample_id"]], row) for row in rows]
+    if dialect is None:
+        return conversations
+    return [(turns, dialect.template_tools(tools)) for turns, tools in conversations]
 
 
 def _tokens_table(sample_ids: list[str], summary: list[dict], tokenized: list[tuple[np.ndarray, np.ndarray]]

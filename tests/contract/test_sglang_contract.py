@@ -300,3 +300,55 @@ def test_raw_output_in_the_templates_form_round_trips_through_sglangs_parsers_an
     assert {name: rerendered(judge, demo_tokenizer, raw) for name, raw in ROUND_TRIPS.items()} == ROUND_TRIPS
     drifted = {name: rerendered(judge, demo_tokenizer, raw) for name, raw in DRIFTS.items()}
     assert all(drifted[name] != raw for name, raw in DRIFTS.items()), drifted
+
+
+# ------------------------------------------------------------------ what the model saw = what training renders
+SEEN_TOOLS = [
+    {"type": "function", "function": {"name": "weather", "parameters": {  # `type` last: a repaired schema's order
+        "properties": {"city": {"type": "string"}}, "required": ["city"], "type": "object"}}},
+    {"type": "function", "function": {"description": "Réserve — 预订", "name": "book", "strict": True, "parameters": {
+        "type": "object", "properties": {"unit": {"type": "string", "enum": ["metric", "imperial"]},
+                                         "rooms": {"type": "array", "items": {"type": "object"}}}}}},
+    {"type": "function", "function": {"name": "search"}},  # no description, no parameters
+]
+CALL = {"role": "assistant", "content": "", "tool_calls": [
+    {"id": "c1", "type": "function", "function": {"name": "weather", "arguments": '{"city": "Paris"}'}}]}
+SEEN = [  # (prompt messages as planning keeps them, tools, the generated turn)
+    ([{"role": "user", "content": "Weather in Paris?"}], SEEN_TOOLS,
+     {"role": "assistant", "content": "", "reasoning_content": "Call it.", "tool_calls": CALL["tool_calls"]}),
+    ([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather in Paris?"}, CALL,
+      {"role": "tool", "content": '{"temp": 21}', "tool_call_id": "c1"}, {"role": "user", "content": "東京は?"}],
+     SEEN_TOOLS[:2], {"role": "assistant", "content": "曇り。", "reasoning_content": "No tool needed."}),
+    ([{"role": "user", "content": "Hi"}], None, {"role": "assistant", "content": "Hello.", "reasoning_content": "Hi."}),
+]
+
+
+def test_each_training_samples_prompt_is_the_prompt_sglang_rendered_for_the_model(judge, version, demo_tokenizer,
+                                                                                   tmp_path):
+    """The pipeline's request, as this SGLang version's own models hand it to the chat template (messages and
+    `tools` model-dumped, serving_chat.py), rendered by the model's template with the request's
+    `chat_template_kwargs`, is token for token the start of the training sample's `input_ids` (the tokenize
+    stage, its tools from `Dialect.template_tools`), and its loss mask starts right after it."""
+    from dflash_regen import tokenize
+    from dflash_regen.generator import chat_payload
+    from dflash_regen.tokenized import training_conversations
+
+    cfg = RunConfig.from_params(params(tmp_path, version, "emulator"), "seen")
+    dialect = sglang.Dialect(version)
+    for messages, tools, turn in SEEN:
+        payload = chat_payload(messages, tools, cfg.generation, seed=1, max_tokens=64)
+        request = valid(judge, "ChatCompletionRequest", payload)["dump"]
+        if tools:
+            assert dialect.template_tools(tools) == request["tools"]  # key order too: compared as JSON text
+            assert json.dumps(dialect.template_tools(tools)) == json.dumps(request["tools"])
+        prompt = demo_tokenizer.apply_chat_template(
+            tokenize._with_parsed_arguments([{**m, "content": m.get("content") or ""} for m in request["messages"]]),
+            tools=request.get("tools"), tokenize=False, add_generation_prompt=True, **payload["chat_template_kwargs"])
+        prompt_ids = demo_tokenizer.backend_tokenizer.encode(prompt, add_special_tokens=False).ids
+        # The tokenize stage's own conversation: the shard's prompt row and the completion row, as parquet holds them.
+        prompt_row = {"sample_id": "s", "messages": json.dumps(messages), "tools": json.dumps(tools) if tools else None}
+        completion_row = {"sample_id": "s", "assistant_turns": json.dumps([turn])}
+        [(ids, mask)] = tokenize.tokenize_batch(demo_tokenizer, training_conversations(
+            {"s": prompt_row}, [completion_row], dialect))
+        assert ids[:len(prompt_ids)].tolist() == prompt_ids, (version, prompt[-300:])
+        assert mask[:len(prompt_ids)].sum() == 0 and mask[len(prompt_ids)] == 1
