@@ -280,9 +280,11 @@ def demo_tokenizer(tmp_path_factory):
                                            with_tokenizer=True, tokenizer_cache=default_tokenizer_cache()))
 
 
-def rerendered(judge: Judge, tok, raw: str) -> str:
-    """The assistant span the trainer renders from what SGLang's qwen3 and qwen3_coder parsers make of `raw`."""
-    from dflash_regen.tokenize import ASSISTANT_HEADER, render
+def rerendered(judge: Judge, tok, raw: str) -> tuple[str, int | None]:
+    """(the assistant span the trainer renders from what SGLang's qwen3 and qwen3_coder parsers make of `raw`, the
+    tokenize stage's `rerender_token_delta` for it, with the server's count: `raw`'s tokens and its `<|im_end|>`)."""
+    from dflash_regen.tokenize import ASSISTANT_HEADER, render, tokenize_batch
+    from dflash_regen.tokenized import rerender_token_delta
 
     parsed = judge.ask("reasoning", text=raw, force=True)
     tools = judge.ask("tools", text=parsed["content"] or "", tools=FIDELITY_TOOLS)
@@ -291,15 +293,29 @@ def rerendered(judge: Judge, tok, raw: str) -> str:
     if tools["calls"]:
         turn["tool_calls"] = [{"id": f"c{i}", "type": "function", "function": {
             "name": c["name"], "arguments": json.dumps(c["arguments"])}} for i, c in enumerate(tools["calls"])]
-    text = render(tok, [{"role": "user", "content": "q"}, turn], FIDELITY_TOOLS)
-    return text[text.index(ASSISTANT_HEADER) + len(ASSISTANT_HEADER):text.rindex("<|im_end|>")]
+    conversation = [{"role": "user", "content": "q"}, turn]
+    text = render(tok, conversation, FIDELITY_TOOLS)
+    [(ids, _)] = tokenize_batch(tok, [(conversation, FIDELITY_TOOLS)])
+    generated = len(tok.backend_tokenizer.encode(raw, add_special_tokens=False).ids) + 1
+    delta = rerender_token_delta(ids, {"enable_thinking": True, "finish_reason": "stop",
+                                       "completion_tokens": generated},
+                                 tok.convert_tokens_to_ids("<think>"), tok.convert_tokens_to_ids("<|im_end|>"))
+    return text[text.index(ASSISTANT_HEADER) + len(ASSISTANT_HEADER):text.rindex("<|im_end|>")], delta
 
 
 def test_raw_output_in_the_templates_form_round_trips_through_sglangs_parsers_and_the_template(judge,
                                                                                                demo_tokenizer):
-    assert {name: rerendered(judge, demo_tokenizer, raw) for name, raw in ROUND_TRIPS.items()} == ROUND_TRIPS
+    back = {name: rerendered(judge, demo_tokenizer, raw) for name, raw in ROUND_TRIPS.items()}
+    assert {name: text for name, (text, _) in back.items()} == ROUND_TRIPS
+    # The per-sample mark counts tokens: 0 for each, but an empty reasoning's "\n" (the server's first token, after
+    # the prompt's "\n") merges with the prompt's into one "\n\n" in the trainer's ids.
+    assert {name: delta for name, (_, delta) in back.items()} == {**dict.fromkeys(ROUND_TRIPS, 0),
+                                                                  "empty reasoning": -1}
     drifted = {name: rerendered(judge, demo_tokenizer, raw) for name, raw in DRIFTS.items()}
-    assert all(drifted[name] != raw for name, raw in DRIFTS.items()), drifted
+    assert all(drifted[name][0] != raw for name, raw in DRIFTS.items()), drifted
+    # The count sees a drift that changes the token count; "\n" and "\n\n" are one token each, so a newline
+    # fewer after `</think>` is re-rendered unseen (a lower bound: the README's fidelity figures).
+    assert {name for name, (_, delta) in drifted.items() if delta} == set(DRIFTS) - {"one newline after </think>"}
 
 
 # ------------------------------------------------------------------ what the model saw = what training renders
