@@ -85,6 +85,9 @@ def test_demo_dag_runs_green_on_seven_emulated_servers(dag, run_params, no_lefto
                        Path(conf["output_root"]) / "specforge-verdict.json")
     assert_specforge_reproduces(verdict, published_tokens(version), conf["train_max_length"])
     assert sum(json.loads(t) != [] for t in conversations["tools"]) > 0 and not any(verdict["readers"].values())
+    # The tools as this SGLang version's server handed them to the template (0.5.23: a `defer_loading` on each).
+    assert all(list(tool) == ["type", "function", "defer_loading"] for t in conversations["tools"]
+               for tool in json.loads(t))
     assert manifest["input"]["repairs"] == plan["repairs"] and "type_name 72" in (version / "README.md").read_text()
     assert run.data_docs_index.is_file()
     assert manifest["quality"]["success"] and manifest["storage"]["offline_hidden_states_tb"] > 0
