@@ -91,6 +91,10 @@ def test_demo_dag_runs_green_on_seven_emulated_servers(dag, run_params, no_lefto
     assert manifest["input"]["repairs"] == plan["repairs"] and "type_name 72" in (version / "README.md").read_text()
     assert run.data_docs_index.is_file()
     assert manifest["quality"]["success"] and manifest["storage"]["offline_hidden_states_tb"] > 0
+    # The emulator writes the template's own form: every answer re-renders to the token count it generated.
+    quality = json.loads(run.report("quality").read_text())
+    assert quality["rerender_compared"] > 100
+    assert quality["rerender_differs"] == manifest["counts"]["rerender_differs"] == 0
 
 
 def test_whole_dag_is_green_in_the_oldest_supported_sglangs_mode_on_loopback_and_never_logs_the_key(
