@@ -280,27 +280,28 @@ def demo_tokenizer(tmp_path_factory):
                                            with_tokenizer=True, tokenizer_cache=default_tokenizer_cache()))
 
 
-def rerendered(judge: Judge, tok, raw: str) -> tuple[str, int | None]:
+def rerendered(judge: Judge, tok, raw: str, tools: list[dict] | None = FIDELITY_TOOLS,
+               prompt: list[dict] | None = None) -> tuple[str, int | None]:
     """(the assistant span the trainer renders from what SGLang's qwen3 and qwen3_coder parsers make of `raw`, the
     tokenize stage's `rerender_token_delta` for it, with the server's count: `raw`'s tokens and its `<|im_end|>`)."""
     from dflash_regen.tokenize import ASSISTANT_HEADER, render, tokenize_batch
     from dflash_regen.tokenized import rerender_token_delta
 
     parsed = judge.ask("reasoning", text=raw, force=True)
-    tools = judge.ask("tools", text=parsed["content"] or "", tools=FIDELITY_TOOLS)
+    calls = judge.ask("tools", text=parsed["content"] or "", tools=tools) if tools else {"calls": []}
     turn = {"role": "assistant", "reasoning_content": parsed["reasoning"],
-            "content": tools["content"] if tools["calls"] else parsed["content"] or ""}
-    if tools["calls"]:
+            "content": calls["content"] if calls["calls"] else parsed["content"] or ""}
+    if calls["calls"]:
         turn["tool_calls"] = [{"id": f"c{i}", "type": "function", "function": {
-            "name": c["name"], "arguments": json.dumps(c["arguments"])}} for i, c in enumerate(tools["calls"])]
-    conversation = [{"role": "user", "content": "q"}, turn]
-    text = render(tok, conversation, FIDELITY_TOOLS)
-    [(ids, _)] = tokenize_batch(tok, [(conversation, FIDELITY_TOOLS)])
+            "name": c["name"], "arguments": json.dumps(c["arguments"])}} for i, c in enumerate(calls["calls"])]
+    conversation = [*(prompt or [{"role": "user", "content": "q"}]), turn]
+    text = render(tok, conversation, tools)
+    [(ids, _)] = tokenize_batch(tok, [(conversation, tools)])
     generated = len(tok.backend_tokenizer.encode(raw, add_special_tokens=False).ids) + 1
     delta = rerender_token_delta(ids, {"enable_thinking": True, "finish_reason": "stop",
                                        "completion_tokens": generated},
                                  tok.convert_tokens_to_ids("<think>"), tok.convert_tokens_to_ids("<|im_end|>"))
-    return text[text.index(ASSISTANT_HEADER) + len(ASSISTANT_HEADER):text.rindex("<|im_end|>")], delta
+    return text[text.rindex(ASSISTANT_HEADER) + len(ASSISTANT_HEADER):text.rindex("<|im_end|>")], delta
 
 
 def test_raw_output_in_the_templates_form_round_trips_through_sglangs_parsers_and_the_template(judge,
@@ -316,6 +317,30 @@ def test_raw_output_in_the_templates_form_round_trips_through_sglangs_parsers_an
     # The count sees a drift that changes the token count; "\n" and "\n\n" are one token each, so a newline
     # fewer after `</think>` is re-rendered unseen (a lower bound: the README's fidelity figures).
     assert {name for name, (_, delta) in drifted.items() if delta} == set(DRIFTS) - {"one newline after </think>"}
+
+
+def test_every_emulated_demo_answer_re_renders_as_the_emulator_generated_it(judge, demo_tokenizer, tmp_path):
+    """The emulator writes the template's own form: on the demo's prompts, each raw output (thinking on, not cut)
+    parsed by this version's parsers and re-rendered by the template is the raw output, text and token count."""
+    from dflash_regen import prompts
+    from dflash_regen.demo_prompts import write_demo_prompts
+    from dflash_regen.emulator import model as emulated_model
+    from dflash_regen.emulator.faults import load_profile
+
+    profile = load_profile({"DFLASH_EMU_PROFILE": json.dumps(FAST_PROFILE)})
+    lines = write_demo_prompts(tmp_path / "prompts.jsonl").read_text().splitlines()
+    rows = [p for i, line in enumerate(lines) if isinstance(p := prompts.parse_row(f"l{i}", line), prompts.Prompt)]
+    differ, compared = [], 0
+    for seed, p in enumerate(rows):
+        gen = emulated_model.generate(emulated_model.ModelInput(messages=p.messages, tools=p.tools, seed=seed),
+                                      profile, limit=16384)
+        if gen.think_end_index is None:
+            continue
+        raw = emulated_model.decode([i for i in gen.token_ids if i != emulated_model.IM_END])
+        compared += 1
+        if rerendered(judge, demo_tokenizer, raw, p.tools, p.messages) != (raw, 0):
+            differ.append(p.sample_id)
+    assert compared > 100 and differ == []
 
 
 # ------------------------------------------------------------------ what the model saw = what training renders
