@@ -7,7 +7,12 @@ and a judge process imports its `ServerArgs.add_cli_args`, `protocol.py` models,
   must parse with that version's parser, and an argv with a flag the version lacks must not;
 - the emulator, in that version's mode and launched by the pipeline's launcher, must answer with bodies
   that validate against that version's models and carry no field they lack;
-- SGLang's parsers, run on the emulator's raw generated text, must give what the emulator returned.
+- SGLang's parsers, run on the emulator's raw generated text, must give what the emulator returned;
+- raw-output fidelity: what those parsers make of a raw output, re-rendered by the chat template as the trainer
+  renders it, is the raw output when written in the template's form (the emulator's every demo answer too), and
+  the measured drifts are not (the tokenize stage marks those it can count);
+- what the model saw: each training sample's prompt ids are the pipeline's request as this version hands it to
+  the chat template (`Dialect.template_tools` is its `Tool` model's dump, key order included).
 """
 
 from __future__ import annotations
