@@ -190,6 +190,7 @@ class QualitySettings:
     max_repetition: float = 0.5  # share of repeated 8-grams in the reasoning
     max_length: int = 4096  # SpecForge's Qwen3.6-27B recipe trains at 4096
     max_overlong_share: float = 0.1
+    max_rerender_drift_share: float = 0.05  # samples whose re-rendered answer differs from the server's tokens
 
 
 @dataclass(frozen=True)
@@ -373,6 +374,7 @@ class RunConfig:
             max_repetition=get("max_repetition_score"),
             max_length=get("train_max_length"),
             max_overlong_share=get("max_overlong_share"),
+            max_rerender_drift_share=get("max_rerender_drift_share"),
         )
         capacity = CapacitySettings(calibration_prompts=get("calibration_prompts"),
                                     apply_advised_concurrency=get("apply_advised_concurrency"))

@@ -278,6 +278,12 @@ SPECS: dict[str, Spec] = {
         0.05, "number", QUALITY, title="Max share of truncated answers (finish_reason length)", minimum=0,
         maximum=1,
         description="Answers cut by max_tokens are quarantined; above this share the gate fails: raise max_tokens."),
+    "max_rerender_drift_share": Spec(
+        0.05, "number", QUALITY, title="Max share re-rendered unlike the server's output", minimum=0, maximum=1,
+        description=("The trainer re-renders each answer from its parsed fields (reasoning, content, tool calls); "
+                     "where that differs from the tokens the server generated (whitespace around </think> the "
+                     "template normalizes, tool-call values re-serialized), the sample is marked "
+                     "(rerender_token_delta); above this share the gate fails.")),
     "max_repetition_score": Spec(
         0.5, "number", QUALITY, title="Max reasoning repetition score", minimum=0, maximum=1,
         description="Share of repeated 8-grams; loops (temperature 0) score near 1."),
