@@ -32,6 +32,7 @@ from dflash_regen import (
     publish,
     quality,
     runlock,
+    sglang,
     smoke,
     staging,
     store,
@@ -42,7 +43,7 @@ from dflash_regen.config import DEMO_MODEL, DEMO_PROMPTS, RunConfig
 from dflash_regen.demo_model import write_demo_model
 from dflash_regen.demo_prompts import write_demo_prompts
 from dflash_regen.errors import GateFailed, NotRetryable, PublishRefused
-from dflash_regen.layout import COMPLETIONS, FAILURES
+from dflash_regen.layout import COMPLETIONS, FAILURES, RunLayout
 from dflash_regen.nodes import LEFT_OUT, READY
 
 log = logging.getLogger(__name__)
@@ -396,7 +397,26 @@ def tokenize_shard(params: dict, run_id: str, generated: dict | None, node: dict
                            "clear plan_shards with Downstream to plan and generate the run again")
     tok = tokenize.load_tokenizer(_model_dir(cfg))
     return tokenized.tokenize_shard(cfg.layout.shard(index), path, cfg.layout, index, tok,
-                                    include_reasoning=cfg.mask_reasoning)
+                                    include_reasoning=cfg.mask_reasoning, dialect=_served_dialect(cfg, path))
+
+
+def _served_dialect(cfg: RunConfig, completions: Path) -> sglang.Dialect | None:
+    """The SGLang version the node's fleet ran (its health report): how it handed the tools to the template. A run
+    whose fleet was skipped (the store supplied it) asks the runs that generated its completions."""
+    path = cfg.layout.node_report("health")
+    paths = [path]
+    if not path.is_file():
+        sources = set(pq.read_table(completions, columns=["source_run"]).column("source_run").to_pylist())
+        paths = [RunLayout.of(cfg.output_root, run, cfg.node).node_report("health") for run in sorted(sources) if run]
+    servers = [s for p in paths if p.is_file() for s in json.loads(p.read_text())["servers"]]
+    versions = sorted({s["version"] for s in servers if s.get("version")})
+    if len(versions) > 1:
+        raise tokenize.TokenizeError(f"the fleet in {path} ran SGLang {', '.join(versions)}: one version per node "
+                                     "renders one tools block; relaunch the fleet with one server_command")
+    if not versions:
+        log.warning("no SGLang version in %s: tools are rendered as sent, which may differ from the server's "
+                    "<tools> block", path)
+    return sglang.Dialect(versions[0]) if versions else None
 
 
 @fail_fast
