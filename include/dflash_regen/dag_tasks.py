@@ -400,12 +400,12 @@ def tokenize_shard(params: dict, run_id: str, generated: dict | None, node: dict
                                     include_reasoning=cfg.mask_reasoning, dialect=_served_dialect(cfg, path))
 
 
-def _served_dialect(cfg: RunConfig, completions: Path) -> sglang.Dialect | None:
+def _served_dialect(cfg: RunConfig, completions: Path | None = None) -> sglang.Dialect | None:
     """The SGLang version the node's fleet ran (its health report): how it handed the tools to the template. A run
     whose fleet was skipped (the store supplied it) asks the runs that generated its completions."""
     path = cfg.layout.node_report("health")
     paths = [path]
-    if not path.is_file():
+    if not path.is_file() and completions is not None and completions.is_file():
         sources = set(pq.read_table(completions, columns=["source_run"]).column("source_run").to_pylist())
         paths = [RunLayout.of(cfg.output_root, run, cfg.node).node_report("health") for run in sorted(sources) if run]
     servers = [s for p in paths if p.is_file() for s in json.loads(p.read_text())["servers"]]
