@@ -84,6 +84,10 @@ def test_reruns_reuse_completions_by_fingerprint_and_send_only_what_is_missing(d
     assert manifest_b["counts"] == published_a["counts"]
     version_a = Path(conf_a["output_root"]) / "published" / conf_a["dataset_name"] / a_id
     assert published_ids(version_b) == published_ids(version_a)
+    # the same training samples, token for token (tokenized as the servers that generated them rendered the tools)
+    tokens_a, tokens_b = (pq.read_table(v / "tokenized", columns=["sample_id", "input_ids", "loss_mask"])
+                          .sort_by("sample_id") for v in (version_a, version_b))
+    assert tokens_b.equals(tokens_a)
     # No second copy: B's completion files and the store's are A's files (the same inodes).
     a_inodes = {p.stat().st_ino for p in layout_of(conf_a, run_a).merged_files(COMPLETIONS)}
     assert {p.stat().st_ino for p in run.merged_files(COMPLETIONS)} == a_inodes
