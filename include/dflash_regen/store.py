@@ -57,7 +57,6 @@ from dflash_regen.schemas import COMPLETION, QUARANTINE
 
 log = logging.getLogger(__name__)
 
-MODES = ("same_settings", "off")
 RECORD = "fingerprint.json"
 REJECTED = "rejected.json"
 PRUNED = "pruned.json"  # store/pruned.json: fingerprint -> run folders whose links a prune removed (not relinked)
