@@ -35,6 +35,11 @@ def task_failures(log_dir: Path) -> list[str]:
     return found
 
 
+def _nothing_generated(layout: RunLayout) -> bool:
+    plan = layout.report("plan")
+    return plan.is_file() and (json.loads(plan.read_text()).get("reuse") or {}).get("to_generate") == 0
+
+
 def summarize(output_root: Path, log_path: Path, rc: int) -> str:
     lines = []
     run = latest_run(output_root)
@@ -56,6 +61,9 @@ def summarize(output_root: Path, log_path: Path, rc: int) -> str:
                 lines.append(f"  plan     {report['rows']} prompts: {report['accepted']} accepted, "
                              f"{report['quarantined']} quarantined {report['quarantined_by_reason']}, "
                              f"{report['shards']} shards")
+                if (report.get("reuse") or {}).get("reused"):
+                    lines.append(f"  store    {report['reuse']['reused']} completions reused from earlier runs, "
+                                 f"{report['reuse']['to_generate']} left to generate")
             elif "servers" in report:
                 verdict = "passed" if report.get("passed") else "FAILED"
                 lines.append(f"  {name:<8} {verdict} on {len(report['servers'])} servers")
@@ -82,6 +90,10 @@ def summarize(output_root: Path, log_path: Path, rc: int) -> str:
     if rc != 0:
         lines.append(f"demo FAILED; task logs: {log_path}")
         lines.extend(f"  {line[:300]}" for line in task_failures(log_path))
+    elif run is not None and _nothing_generated(RunLayout(run)):
+        lines.append("demo passed: plan (every completion from an earlier run, the completion store) -> tokenize -> "
+                     "validate -> publish; no fleet needed (rm -rf the output root, or Param reuse off, to generate "
+                     "again)")
     else:
         lines.append("demo passed: stage -> launch -> health -> smoke -> plan -> generate -> tokenize -> validate -> "
                      "publish, fleet stopped")
