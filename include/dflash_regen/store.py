@@ -41,6 +41,7 @@ import pyarrow.parquet as pq
 from dflash_regen import atomic
 from dflash_regen.checkpoints import merge_parts, read_done, write_part
 from dflash_regen.config import RunConfig
+from dflash_regen.errors import ConfigError
 from dflash_regen.generator import sample_seed
 from dflash_regen.layout import (
     COMPLETIONS,
@@ -90,6 +91,10 @@ def model_identity(model_dir: Path, cache_file: Path) -> dict:
     once and cached), its chat template, config and tokenizer."""
     from dflash_regen.staging import read_manifest
 
+    if not (model_dir / "config.json").is_file():
+        raise ConfigError(f"model dir {model_dir} has no config.json here (Param model_source_dir): fix the path; "
+                          "the completion store keys completions by the weights' checksums, read where plan_shards "
+                          "runs, so a worker without the model dir needs it too, or Param reuse set to off")
     sums = read_manifest(model_dir)
     cache = json.loads(cache_file.read_text()) if cache_file.is_file() else {}
     weights = sorted(p for p in model_dir.rglob("*") if p.is_file() and p.name.endswith(WEIGHT_SUFFIXES))
@@ -338,6 +343,13 @@ def plan_reuse(cfg: RunConfig, shards: list[dict], model_dir: Path) -> dict:
     completion of this run's prompts into its checkpoints. Sets each shard's `to_generate`; returns the report
     (the plan report's `reuse`)."""
     layout, root = cfg.layout, cfg.output_root
+    if cfg.reuse == "off" and not (model_dir / "config.json").is_file():  # nothing to look up; nothing to key by
+        for shard in shards:
+            shard["to_generate"] = shard["prompts"]
+        prompts = sum(s["prompts"] for s in shards)
+        return {"mode": "off", "reused": 0, "prompts": prompts, "to_generate": prompts, "problems": [],
+                "why_none": f"Param reuse is off (and model dir {model_dir} is not readable here: this run's "
+                            "completions are not indexed)"}
     fields, recorded = generation_fields(cfg, model_dir)
     print_ = fingerprint(fields)
     atomic.write_json(layout.generation_record, {"fingerprint": print_, "fields": fields, "recorded": recorded,

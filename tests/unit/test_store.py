@@ -131,3 +131,14 @@ def test_the_cli_lists_fingerprints_runs_samples_and_bytes_and_prunes_for_good(t
     assert all(p.is_file() for p in a.layout.merged_files(COMPLETIONS))  # the run's own files stay
     b = config(tmp_path, "b")
     assert store.plan_reuse(b, plan(tmp_path, b, 8), model)["reused"] == 0  # pruned stays pruned
+
+
+def test_without_the_model_dir_where_planning_runs_reuse_fails_clearly_and_off_indexes_nothing(tmp_path):
+    from dflash_regen.errors import ConfigError
+
+    a = config(tmp_path, "a")
+    with pytest.raises(ConfigError, match="has no config.json here .Param model_source_dir.: fix the path.*Param reuse set to off"):
+        store.plan_reuse(a, plan(tmp_path, a, 4), tmp_path / "no-model")
+    off = config(tmp_path, "b", reuse="off")
+    report = store.plan_reuse(off, plan(tmp_path, off, 4), tmp_path / "no-model")
+    assert report["to_generate"] == 4 and not off.layout.generation_record.exists()
