@@ -137,7 +137,7 @@ def test_without_the_model_dir_where_planning_runs_reuse_fails_clearly_and_off_i
     from dflash_regen.errors import ConfigError
 
     a = config(tmp_path, "a")
-    with pytest.raises(ConfigError, match="has no config.json here .Param model_source_dir.: fix the path.*Param reuse set to off"):
+    with pytest.raises(ConfigError, match=r"has no config.json here \(Param model_source_dir\): fix the path"):
         store.plan_reuse(a, plan(tmp_path, a, 4), tmp_path / "no-model")
     off = config(tmp_path, "b", reuse="off")
     report = store.plan_reuse(off, plan(tmp_path, off, 4), tmp_path / "no-model")
