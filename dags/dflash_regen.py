@@ -174,8 +174,8 @@ def dflash_regen():
         return dag_tasks.check_inputs(params, run_id)
 
     @task
-    def stage_node(checked: dict, shards: list[dict], params=None, run_id=None, node=None) -> dict:
-        return dag_tasks.stage_node(params, run_id, checked, node=node, shards=shards)
+    def stage_node(checked: dict, params=None, run_id=None, node=None) -> dict:
+        return dag_tasks.stage_node(params, run_id, checked, node=node)
 
     @task(trigger_rule="none_failed")  # a node left out (skipped) does not stop the others
     def assign_shards(shards: list[dict], params=None, run_id=None) -> dict:
@@ -196,7 +196,7 @@ def dflash_regen():
         on_node = {"queue": node.queue} if node.queue else {}
         spec = node.to_dict()
         with TaskGroup(node.name, tooltip=f"GPU node {node.name} (queue {node.queue or 'default'})"):
-            staged = stage_node.override(task_id="stage_weights", **on_node)(checked_inputs, shards, node=spec)
+            staged = stage_node.override(task_id="stage_weights", **on_node)(checked_inputs, node=spec)
             fleet = launch_fleet.override(**on_node)(staged, node=spec)
             health = health_check.override(**on_node)(fleet, node=spec)
             checked = smoke_test.override(**on_node)(fleet, node=spec)

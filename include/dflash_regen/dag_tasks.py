@@ -153,14 +153,10 @@ def check_inputs(params: dict, run_id: str) -> dict:
 
 @leave_out_node
 @fail_fast
-def stage_node(params: dict, run_id: str, checked: dict, node: dict | None = None,
-               shards: list[dict] | None = None) -> dict:
+def stage_node(params: dict, run_id: str, checked: dict, node: dict | None = None) -> dict:
     cfg = _cfg(params, run_id, node)
     for name in (READY, LEFT_OUT):  # a run (or the same run id again) decides afresh whether the node takes part
         cfg.layout.node_report(name).unlink(missing_ok=True)
-    if shards is not None and store.nothing_to_generate(shards):
-        raise AirflowSkipException(f"nothing to generate: the completion store holds all {_accepted(shards):,} "
-                                   f"prompts' completions, so node {cfg.node} stages, launches and gates nothing")
     return _stage(cfg, Path(checked["model_source"]))
 
 
@@ -357,12 +353,7 @@ def assign_shards(params: dict, run_id: str, shards: list[dict], node_names: lis
     """Several nodes: shards to the nodes that passed their gates, in proportion to each one's calibrated rate
     (prompts/s of its fleet; by healthy server count when a node was not calibrated). `reports/assignment.json`."""
     cfg = RunConfig.from_params(params, run_id)
-    if store.nothing_to_generate(shards):  # no fleet started: the first node's group tokenizes what the store gave
-        report = {"basis": "the completion store supplied every completion: no node generates", "left_out": {},
-                  "assigned_at": time.time(), "nodes": {}}
-        assigned = {node_names[0]: shards}
-    else:
-        report, assigned = nodes.assign_run(cfg.layout, shards, node_names, params.get("node_failure") == "continue")
+    report, assigned = nodes.assign_run(cfg.layout, shards, node_names, params.get("node_failure") == "continue")
     write_report(cfg, "assignment", report)
     return {name: assigned.get(name, []) for name in node_names}
 

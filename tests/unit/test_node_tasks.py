@@ -2,7 +2,6 @@
 and assign_shards splits the shards among the nodes that passed by their measured rate."""
 
 import json
-from pathlib import Path
 
 import pytest
 from airflow.sdk.exceptions import AirflowFailException, AirflowSkipException
@@ -81,18 +80,3 @@ def test_tokenize_renders_tools_in_the_dialect_of_the_version_each_nodes_fleet_r
     report.write_text(json.dumps({"servers": [{"version": "0.5.10"}, {"version": "0.5.23"}]}))
     with pytest.raises(TokenizeError, match="ran SGLang 0.5.10, 0.5.23"):
         dag_tasks._served_dialect(cfg)
-
-
-def test_with_nothing_left_to_generate_no_node_stages_and_the_first_node_tokenizes_every_shard(run_params, tmp_path):
-    """The completion store supplied the whole run (issue 24): each node's setups skip, and the split needs no
-    node's gates (none ran)."""
-    params = run_params()
-    supplied = [{**s, "to_generate": 0} for s in shards(8)]
-    with pytest.raises(AirflowSkipException, match="nothing to generate: .* node fast stages, launches and gates"):
-        dag_tasks.stage_node(params, "r", {"model_source": str(tmp_path / "no-model")}, node={"name": "fast"},
-                             shards=supplied)
-    assert not Path(params["staging_dir"]).exists()
-    split = dag_tasks.assign_shards(params, "r", supplied, ["fast", "slow"])
-    assert [len(split["fast"]), len(split["slow"])] == [8, 0]
-    with pytest.raises(AirflowFailException, match="no node passed its gates|failed their setup"):
-        dag_tasks.assign_shards(params, "r", shards(8), ["fast", "slow"])  # with work left, the gates decide
