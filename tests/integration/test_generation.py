@@ -354,6 +354,21 @@ def test_a_prompt_only_one_server_fails_is_answered_by_the_other(launch, tmp_pat
     assert rows["poison"] == servers[1].name and rows["ok0"] == servers[0].name
 
 
+def test_a_cluster_of_poison_prompts_leaves_a_healthy_server_healthy(launch, tmp_path):
+    """Twelve poison prompts fill every slot three times over, with no success between: 36 failed requests in a
+    row, far past the failure limit (8 at 4 in flight). The server answers its probes, so it stays healthy: the
+    prompts are quarantined and the shard completes on it."""
+    cfg, servers, key = launch(num_servers=2, emulator_faults={"*": {"error_substring": "POISON"}})
+    rows = [{"id": f"poison{i}", "messages": [{"role": "user", "content": f"Call {{tool}} POISON {i}"}]}
+            for i in range(12)] + POISON_ROWS[:5]
+    shard = plan(cfg, tmp_path, rows=rows)["shards"][0]
+    result, server = run_shard(cfg, key, shard, in_flight=4, request_retries=2, max_error_share=0.8)
+    assert server.index == 0 and result["completed"] == 5 and result["quarantined"] == 12
+    reasons = {r["sample_id"]: r["reason"] for r in pq.read_table(cfg.layout.merged(FAILURES, 0)).to_pylist()}
+    assert reasons == {f"poison{i}": "http_500" for i in range(12)}
+    assert not cfg.layout.fleet.unhealthy_markers()
+
+
 def test_a_wrong_api_key_fails_the_shard_at_once_naming_the_setting(launch, tmp_path):
     cfg, _, _ = launch(num_servers=1)
     shard = plan(cfg, tmp_path, n=6, shard_size=6)["shards"][0]
