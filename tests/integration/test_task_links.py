@@ -1,0 +1,120 @@
+"""Guarantees kept through the task bodies users run (dags/dflash_regen.py calls exactly these), with Airflow's
+real run ids (`+` and `:` in them, so each run's folder name differs from its id): the run lock, the reaping of a
+dead run's servers, and a cleared shard keeping away from the server it failed on."""
+
+import json
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+from airflow.sdk.exceptions import AirflowFailException
+from airflow.sdk.execution_time.context import set_current_context
+
+from dflash_regen import dag_tasks, fleet, runlock
+from dflash_regen.config import RunConfig, safe_run_id
+from dflash_regen.demo_model import write_demo_model
+from dflash_regen.demo_prompts import write_demo_prompts
+from dflash_regen.errors import ShardFailed
+
+RUN = "manual__2026-12-05T03:00:00+00:00"
+OTHER = "scheduled__2026-12-05T04:00:00+00:00"
+
+
+class AirflowSays:
+    """The running task's context as Airflow gives it: `ti.get_dagrun_state` answers for the exact run ids."""
+
+    def __init__(self, states: dict[str, str]):
+        self.ti = SimpleNamespace(dag_id="dflash_regen", get_dagrun_state=lambda dag_id, run_id: states[run_id])
+
+    def __enter__(self):
+        self._cm = set_current_context({"ti": self.ti})
+        return self._cm.__enter__()
+
+    def __exit__(self, *exc):
+        return self._cm.__exit__(*exc)
+
+
+@pytest.fixture
+def params(run_params, tmp_path):
+    def make(num_servers=1, **overrides):
+        model = tmp_path / "model"
+        if not model.is_dir():
+            write_demo_model(model)
+        return run_params(num_servers, model_source_dir=str(model), **overrides)
+
+    return make
+
+
+def test_the_first_task_holds_the_run_lock_under_airflows_run_id(params):
+    p = params()
+    root = RunConfig.from_params(p, RUN).output_root
+    (root.parent / "params.json").write_text(json.dumps(p))
+    script = ("import json, sys; from dflash_regen import dag_tasks; "
+              "dag_tasks.check_inputs(json.load(open(sys.argv[1])), sys.argv[2]); print('held', flush=True); "
+              "sys.stdin.read()")
+    holder = subprocess.Popen([sys.executable, "-c", script, str(root.parent / "params.json"), RUN],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "held\n"  # the other run's check_inputs took the lock
+        record = runlock.read_holder(root)
+        assert (record["run_id"], record["run_dir"]) == (RUN, safe_run_id(RUN))
+        # Another run, and the same run triggered again from another process, are refused by the first task.
+        for task, run_id in ((dag_tasks.stage_weights, OTHER), (dag_tasks.check_inputs, RUN)):
+            with pytest.raises(AirflowFailException) as refused:
+                task(p, run_id)
+            assert str(refused.value).startswith(f"RunLocked: output root {root} is held by run {RUN!r} since ")
+            assert f"its process (pid {holder.pid} on " in str(refused.value)
+    finally:
+        holder.kill()
+        holder.wait()
+    # The holder's process is gone (the scheduler runs each task in its own process): Airflow, asked with the run's
+    # own id, decides whether the run still lives.
+    with AirflowSays({RUN: "running", OTHER: "running"}), pytest.raises(AirflowFailException) as refused:
+        dag_tasks.stage_weights(p, OTHER)
+    assert str(refused.value).startswith(f"RunLocked: output root {root} is held by run {RUN!r}")
+    assert "(Airflow reports it running)" in str(refused.value)
+    with AirflowSays({RUN: "failed", OTHER: "running"}):
+        assert dag_tasks.stage_weights(p, OTHER)["model_path"] == p["staging_dir"]
+    record = runlock.read_holder(root)
+    assert (record["run_id"], record["run_dir"]) == (OTHER, safe_run_id(OTHER))
+
+
+def test_launch_fleet_stops_the_servers_a_dead_run_left_behind(params):
+    p = params(num_servers=2)
+    old, new = (RunConfig.from_params(p, run_id) for run_id in (RUN, OTHER))
+    try:
+        dag_tasks.check_inputs(p, RUN)
+        left = fleet.load_servers(old.fleet_dir) if dag_tasks.launch_fleet(p, RUN, p["model_source_dir"]) else []
+        assert len(left) == 2 and all(fleet.is_alive(s) for s in left)
+        # The run died before its teardown (its servers hold the ports). The next run takes the lock and launches
+        # on the same ports: only after its launch_fleet stopped the dead run's servers.
+        dag_tasks.check_inputs(p, OTHER)
+        launched = dag_tasks.launch_fleet(p, OTHER, p["model_source_dir"])
+        assert launched["fleet_dir"] == str(new.fleet_dir) and new.fleet_dir.parent.name == safe_run_id(OTHER)
+        assert not any(fleet.is_alive(s) for s in left)
+        assert all(fleet.is_alive(s) for s in fleet.load_servers(new.fleet_dir))
+    finally:
+        fleet.stop_fleet(old.fleet_dir)
+        fleet.stop_fleet(new.fleet_dir)
+
+
+def test_a_cleared_shard_avoids_the_server_it_crashed_on_after_a_relaunch(params, tmp_path):
+    # Server 0 (shard 0's first choice) crashes after 5 answers, and again after each relaunch (a faulty GPU).
+    p = params(num_servers=2, emulator_faults={"0": {"crash_after_requests": 5}}, shard_size=40,
+               max_bad_row_share=0.5, prompt_source=str(write_demo_prompts(tmp_path / "prompts.jsonl", 30)))
+    cfg = RunConfig.from_params(p, RUN)
+    try:
+        dag_tasks.launch_fleet(p, RUN, p["model_source_dir"])
+        (shard,) = dag_tasks.plan_shards(p, RUN)
+        with pytest.raises(ShardFailed, match=r"^shard 0 failed on server 0 .*: the server process "):
+            dag_tasks.generate(p, RUN, shard)
+        # A clear re-runs the fleet setups: a fresh fleet, server 0 healthy again, before the shard runs again.
+        dag_tasks.launch_fleet(p, RUN, p["model_source_dir"])
+        assert not cfg.layout.fleet.unhealthy_markers()
+        done = dag_tasks.generate(p, RUN, shard)
+        servers = fleet.load_servers(cfg.fleet_dir)
+        assert done["server"] == servers[1].name and done["completed"] + done["quarantined"] == shard["prompts"]
+        assert fleet.is_alive(servers[0])  # not sent there again: it would have crashed once more
+    finally:
+        fleet.stop_fleet(cfg.fleet_dir)
