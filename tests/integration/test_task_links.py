@@ -1,10 +1,12 @@
 """Guarantees kept through the task bodies users run (dags/dflash_regen.py calls exactly these), with Airflow's
 real run ids (`+` and `:` in them, so each run's folder name differs from its id): the run lock, the reaping of a
-dead run's servers, and a cleared shard keeping away from the server it failed on."""
+dead run's servers, a cleared shard keeping away from the server it failed on, the first task's input checks,
+planning within Airflow's map limit, and the verdict of a run that published nothing."""
 
 import json
 import subprocess
 import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -118,3 +120,31 @@ def test_a_cleared_shard_avoids_the_server_it_crashed_on_after_a_relaunch(params
         assert fleet.is_alive(servers[0])  # not sent there again: it would have crashed once more
     finally:
         fleet.stop_fleet(cfg.fleet_dir)
+
+
+def test_the_first_task_checks_the_output_root_and_the_prompt_source_before_any_gpu_work(params, tmp_path):
+    (tmp_path / "a-file").write_text("not a folder")
+    with pytest.raises(AirflowFailException) as bad_root:
+        dag_tasks.stage_weights(params(output_root=str(tmp_path / "a-file" / "out")), RUN)
+    assert str(bad_root.value).startswith(f"ConfigError: Param output_root '{tmp_path / 'a-file' / 'out'}'")
+    (tmp_path / "bad.jsonl").write_text('{"messages": []}\n{"broken\n')
+    p = params(prompt_source=str(tmp_path / "bad.jsonl"))
+    with pytest.raises(AirflowFailException) as bad_source:
+        dag_tasks.stage_weights(p, RUN)
+    assert str(bad_source.value).startswith(f"ConfigError: Param prompt_source '{tmp_path / 'bad.jsonl'}': none of")
+    assert not Path(p["staging_dir"]).exists()  # refused before staging the weights
+
+
+def test_plan_shards_refuses_more_shards_than_airflow_can_map(params, tmp_path, monkeypatch):
+    monkeypatch.setenv("AIRFLOW__CORE__MAX_MAP_LENGTH", "2")  # what plan_shards reads from Airflow's config
+    p = params(prompt_source=str(write_demo_prompts(tmp_path / "prompts.jsonl", 30)), shard_size=10,
+               max_bad_row_share=0.5)
+    with pytest.raises(AirflowFailException, match=r"^PlanFailed: 30 prompts in shards of 10 make 3 shards, more "
+                                                   r"than the 2 mapped tasks Airflow allows .*set Param shard_size "
+                                                   r"to at least 15"):
+        dag_tasks.plan_shards(p, RUN)
+
+
+def test_check_published_fails_a_run_that_published_nothing(params):
+    with pytest.raises(AirflowFailException, match=rf"^PublishRefused: run {safe_run_id(RUN)} published nothing"):
+        dag_tasks.check_published(params(), RUN)
