@@ -44,8 +44,9 @@ NEEDS = r"it needs about [\d,.]+ MB, [\d,.]+ MB are free\. Free space there \(or
 def test_a_full_output_disk_fails_each_stage_clearly_and_the_run_resumes_once_space_is_freed(
         run_params, tmp_path, no_leftover_servers):
     prompts = write_demo_prompts(tmp_path / "prompts.jsonl", 40)
-    params = run_params(1, prompt_source=str(prompts), shard_size=100, max_bad_row_share=0.5, checkpoint_every=8,
-                        calibration_prompts=0)
+    # Checkpoints of 20 samples (~50 KB each, never sooner by the clock): each needs more than the disk leaves free.
+    params = run_params(1, prompt_source=str(prompts), shard_size=100, max_bad_row_share=0.5, checkpoint_every=20,
+                        checkpoint_s=3600.0, calibration_prompts=0)
     write_demo_model(Path(params["staging_dir"]), with_tokenizer=True)  # the staged model: tokenize's tokenizer
     cfg = RunConfig.from_params(params, RUN)
     run, parts = cfg.layout, cfg.layout.parts(COMPLETIONS, 0)
