@@ -1,7 +1,8 @@
 """Guarantees kept through the task bodies users run (dags/dflash_regen.py calls exactly these), with Airflow's
 real run ids (`+` and `:` in them, so each run's folder name differs from its id): the run lock, the reaping of a
 dead run's servers, a cleared shard keeping away from the server it failed on, the first task's input checks,
-planning within Airflow's map limit, and the verdict of a run that published nothing."""
+planning within Airflow's map limit, a node's fresh decision, publish re-reading the gate's verdict, and the
+verdict of a run that published nothing."""
 
 import json
 import subprocess
@@ -148,3 +149,29 @@ def test_plan_shards_refuses_more_shards_than_airflow_can_map(params, tmp_path, 
 def test_check_published_fails_a_run_that_published_nothing(params):
     with pytest.raises(AirflowFailException, match=rf"^PublishRefused: run {safe_run_id(RUN)} published nothing"):
         dag_tasks.check_published(params(), RUN)
+
+
+def test_a_node_decides_afresh_whether_it_takes_part_when_the_same_run_id_runs_again(params):
+    """With several nodes, a node left out (or ready) in an earlier run of this run id must not stay so: its first
+    task clears both records before staging."""
+    node = {"name": "b200", "queue": "q2", "gpus": "0"}
+    p = params()
+    cfg = RunConfig.from_params(p, RUN, node="b200")
+    for name in ("ready", "left_out"):
+        cfg.layout.node_report(name).parent.mkdir(parents=True, exist_ok=True)
+        cfg.layout.node_report(name).write_text('{"node": "b200", "error": "from the earlier run"}')
+    dag_tasks.stage_node(p, RUN, {"model_source": p["model_source_dir"]}, node=node)
+    assert not cfg.layout.node_report("ready").exists() and not cfg.layout.node_report("left_out").exists()
+
+
+def test_publish_refuses_a_run_whose_quality_gate_failed_even_when_cleared_alone(params):
+    """publish runs after validate; cleared on its own (validate failed before), it reads the verdict again."""
+    p = params()
+    cfg = RunConfig.from_params(p, RUN)
+    cfg.layout.plan.parent.mkdir(parents=True, exist_ok=True)
+    cfg.layout.plan.write_text(json.dumps({"rows": 1, "source": "p", "fingerprint": "f", "shards": []}))
+    cfg.layout.report("quality").parent.mkdir(parents=True, exist_ok=True)
+    cfg.layout.report("quality").write_text(json.dumps({"success": False}))
+    with pytest.raises(AirflowFailException, match=r"^GateFailed: the quality report says the gate failed"):
+        dag_tasks.publish_dataset(p, RUN)
+    assert not cfg.publish_dir.exists()
