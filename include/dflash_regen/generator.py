@@ -74,18 +74,17 @@ class Generator:
                 result = stream_chat(self.session, self.server.url, self.api_key, payload,
                                      stall_s=self.settings.stall_s, cap_s=self.settings.request_cap_s)
             except TransientError as exc:
-                # Liveness is judged by the server, not by how often some prompts fail: a prompt counts once
-                # (its retries are not new evidence), and even many failing prompts in a row (a cluster of
-                # poison prompts) leave the server healthy while a 1-token probe gets its 200.
                 with self._lock:
-                    if attempt == 1:
-                        self._consecutive_failures += 1
+                    self._consecutive_failures += 1
                     failing = self._consecutive_failures
+                # Liveness is judged by the server, not by how often prompts fail: a probe without an answer marks
+                # it unhealthy, and so does one without a 200 after many failures in a row. A cluster of poison
+                # prompts (every slot failing, each retry again) leaves it healthy while the probe gets its 200.
                 status = self._probe(self.server)
                 if status is None or (failing >= self.failure_limit and status != 200):
                     self.stop.set()
-                    raise ServerUnhealthy(f"{self.server.name} stopped answering ({failing} prompts failed in a "
-                                          f"row, a 1-token probe got {status or 'no answer'}; last: {exc})") from exc
+                    raise ServerUnhealthy(f"{self.server.name} stopped answering ({failing} failures in a row, a "
+                                          f"1-token probe got {status or 'no answer'}; last: {exc})") from exc
                 if attempt > self.settings.request_retries:
                     if isinstance(exc, ServerError):
                         result, served_by = self._second_opinion(payload, exc)
