@@ -2,26 +2,29 @@
 
 The pages are the library's FastAPI app (`dflash_regen.report_pages`), mounted at /dflash. A mounted plugin
 app gets no authentication from Airflow, so every route requires Airflow's own `get_user` (the UI's `_token`
-cookie or a Bearer token): anonymous requests get 401. Runs are read from the api-server's output root
-(env DFLASH_OUTPUT_ROOT, the form's default) and nothing outside it is served.
+cookie or a Bearer token): anonymous requests get 401. Runs are read from the output root each run's conf
+named, among the roots the api-server serves (env DFLASH_OUTPUT_ROOT, the form's default, and DFLASH_SERVED_ROOTS);
+a run naming any other root is refused, so a conf cannot open arbitrary paths to the UI.
 
 Run and task states come from Airflow's metadata DB, read-only, through the api-server's own session: the run
 folder cannot tell a run the operator marked failed, a task killed before it wrote anything, or Airflow's run
 id and dates; the DB can, at the cost of two small indexed queries per page view.
 """
 
+import json
 from datetime import datetime
-from pathlib import Path
 from urllib.parse import quote
 
 from airflow.api_fastapi.core_api.security import get_user
 from airflow.models.dagrun import DagRun
+from airflow.models.log import Log
 from airflow.models.taskinstance import TaskInstance
+from airflow.models.taskinstancehistory import TaskInstanceHistory
 from airflow.plugins_manager import AirflowPlugin
 from airflow.utils.session import create_session
-from sqlalchemy import select
+from sqlalchemy import func, select
 
-from dflash_regen.config import DEFAULTS
+from dflash_regen.deployment import deployment
 from dflash_regen.report_pages import build_app
 
 PREFIX = "/dflash"
@@ -33,6 +36,28 @@ def _ts(value: datetime | None) -> float | None:
     return value.timestamp() if value else None
 
 
+def _run(row) -> dict:
+    """A run as the pages take it; `output_root` is the root its conf named (None: the deployment's default)."""
+    return {"run_id": row[0], "state": row[1], "start": _ts(row[2]), "end": _ts(row[3]), "run_after": _ts(row[4]),
+            "output_root": (row[5] or {}).get("output_root")}
+
+
+def _earliest(*stamps: float | None) -> float | None:
+    return min((t for t in stamps if t is not None), default=None)
+
+
+def _stopped(row) -> dict | None:
+    """Who marked the run failed and when, from Airflow's audit log (the UI's "Mark run as failed" and the REST
+    API's PATCH of the run both log a patch_dag_run event); None if the last change of its state was not that."""
+    if row is None:
+        return None
+    try:
+        state = json.loads(row[3] or "{}").get("state")
+    except ValueError:
+        return None
+    return {"by": row[0] or row[1], "at": _ts(row[2])} if state == "failed" else None
+
+
 class AirflowRuns:
     """The DAG's runs and task instances as plain dicts (what `report_pages` expects of `airflow`)."""
 
@@ -41,24 +66,38 @@ class AirflowRuns:
     def runs(self) -> list[dict]:
         with create_session() as session:
             rows = session.execute(select(DagRun.run_id, DagRun._state, DagRun.start_date, DagRun.end_date,
-                                          DagRun.run_after).where(DagRun.dag_id == DAG_ID)
+                                          DagRun.run_after, DagRun.conf).where(DagRun.dag_id == DAG_ID)
                                    .order_by(DagRun.run_after.desc()).limit(RUNS_LISTED)).all()
-        return [{"run_id": r[0], "state": r[1], "start": _ts(r[2]), "end": _ts(r[3]), "run_after": _ts(r[4])}
-                for r in rows]
+            first = {}  # per run, its first try's start: a clear resets the run's own start date
+            for model in (TaskInstance, TaskInstanceHistory):
+                for run_id, start in session.execute(select(model.run_id, func.min(model.start_date))
+                                                     .where(model.dag_id == DAG_ID).group_by(model.run_id)):
+                    if start is not None:
+                        first[run_id] = min(start, first.get(run_id, start))
+        return [{**run, "start": _earliest(run["start"], _ts(first.get(run["run_id"])))} for run in map(_run, rows)]
 
     def run(self, run_id: str) -> dict | None:
         with create_session() as session:
             run = session.execute(select(DagRun.run_id, DagRun._state, DagRun.start_date, DagRun.end_date,
-                                         DagRun.run_after)
+                                         DagRun.run_after, DagRun.conf)
                                   .where(DagRun.dag_id == DAG_ID, DagRun.run_id == run_id)).first()
             if run is None:
                 return None
             tis = session.execute(select(TaskInstance.task_id, TaskInstance.map_index, TaskInstance.state,
                                          TaskInstance.try_number, TaskInstance.start_date, TaskInstance.end_date)
                                   .where(TaskInstance.dag_id == DAG_ID, TaskInstance.run_id == run_id)).all()
-        return {"run_id": run[0], "state": run[1], "start": _ts(run[2]), "end": _ts(run[3]), "run_after": _ts(run[4]),
-                "tasks": [{"task_id": t[0], "map_index": t[1], "state": t[2], "try_number": t[3],
-                           "start": _ts(t[4]), "end": _ts(t[5])} for t in tis]}
+            stop = session.execute(select(Log.owner_display_name, Log.owner, Log.dttm, Log.extra)
+                                   .where(Log.dag_id == DAG_ID, Log.run_id == run_id, Log.event == "patch_dag_run")
+                                   .order_by(Log.dttm.desc()).limit(1)).first()
+            # A clear resets the run's start date; its first try's start is in the task instance history.
+            first_try = session.execute(select(func.min(TaskInstanceHistory.start_date))
+                                        .where(TaskInstanceHistory.dag_id == DAG_ID,
+                                               TaskInstanceHistory.run_id == run_id)).scalar()
+        tasks = [{"task_id": t[0], "map_index": t[1], "state": t[2], "try_number": t[3], "start": _ts(t[4]),
+                  "end": _ts(t[5])} for t in tis]
+        found = _run(run)
+        start = _earliest(found["start"], _ts(first_try), *(t["start"] for t in tasks))
+        return {**found, "start": start, "stopped": _stopped(stop), "tasks": tasks}
 
 
 def _icon(path: str) -> str:
@@ -76,7 +115,7 @@ RUNS_ICON = _icon("<path d='M8 6h13M8 12h13M8 18h13M3 6h.01M3 12h.01M3 18h.01'/>
 
 class DflashRegenUI(AirflowPlugin):
     name = "dflash_regen_ui"
-    fastapi_apps = [{"app": build_app(Path(DEFAULTS["output_root"]), get_user, AirflowRuns()), "url_prefix": PREFIX,
+    fastapi_apps = [{"app": build_app(deployment().report_roots(), get_user, AirflowRuns()), "url_prefix": PREFIX,
                      "name": "dflash-regen reports"}]
     # With url_route the UI shows the page inside Airflow (an iframe); {RUN_ID} is filled in on run pages.
     external_views = [

@@ -8,10 +8,13 @@ cd "$ROOT"
 PORT="${PORT:-8080}"
 export AIRFLOW__API__HOST=127.0.0.1 AIRFLOW__API__PORT="$PORT" AIRFLOW__API__BASE_URL="http://127.0.0.1:$PORT"
 export AIRFLOW__CORE__EXECUTION_API_SERVER_URL="http://127.0.0.1:$PORT/execution/"
-# The form's defaults: a demo-speed emulator and the demo's RAM-disk folder, so a run takes about a minute.
+# The form's defaults: a demo-speed emulator, the demo's RAM-disk folder and demo-sized shards, so a run
+# takes about a minute.
 DEMO_PROFILE='{"decode_tokens_per_s": 3000}'
 export DFLASH_EMULATOR_PROFILE="${DFLASH_EMULATOR_PROFILE:-$DEMO_PROFILE}"
 export DFLASH_STAGING_DIR="${DFLASH_STAGING_DIR:-/dev/shm/dflash-demo-model}"
+# The 120 demo prompts in 6 shards, spread over the servers (the table's 1,000 would make one shard on one server).
+export DFLASH_SHARD_SIZE="${DFLASH_SHARD_SIZE:-20}"
 LOG="$AIRFLOW_HOME/standalone.log"
 setsid airflow standalone >"$LOG" 2>&1 &
 PID=$!

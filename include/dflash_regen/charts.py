@@ -96,7 +96,8 @@ def time_series(series: dict[str, list[float]], *, bin_s: float, x_title: str, y
     for b in breaks:
         x = PAD_L + (b["at"] - 0.5) * dx
         parts.append(f'<line class="break" x1="{x:.1f}" y1="{PAD_T}" x2="{x:.1f}" y2="{HEIGHT - PAD_B}"/>'
-                     f'<text class="break" x="{x + 3:.1f}" y="{PAD_T + 10}">{escape(_elapsed(b["idle_s"]))} '
+                     # at the bottom: the incident marks stack down from the top
+                     f'<text class="break" x="{x + 3:.1f}" y="{HEIGHT - PAD_B - 4}">{escape(_elapsed(b["idle_s"]))} '
                      f'idle</text>')
     placed: list[tuple[float, float]] = []
     for number, m in enumerate(marks, 1):

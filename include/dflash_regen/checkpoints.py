@@ -15,13 +15,26 @@ import pyarrow.parquet as pq
 from dflash_regen import atomic
 from dflash_regen.layout import new_part, shard_sources
 
+# Merges of one shard are one per attempt: a read that loses this many races to them is not racing a merge.
+MERGE_RACES = 5
+
 
 def read_done(folder: Path, target: Path) -> set[str]:
-    """Sample ids of one shard already on disk, merged or in parts."""
-    done: set[str] = set()
-    for path in shard_sources(target, folder):
-        done.update(pq.read_table(path, columns=["sample_id"]).column("sample_id").to_pylist())
-    return done
+    """Sample ids of one shard already on disk, merged or in parts.
+
+    Another attempt of the shard (a zombie task, or a process that finishes while a poller reads) may merge the
+    parts while they are read: a part gone missing is then in the merged file, so the files are listed again."""
+    for _ in range(MERGE_RACES):
+        try:
+            done: set[str] = set()
+            for path in shard_sources(target, folder):
+                done.update(pq.read_table(path, columns=["sample_id"]).column("sample_id").to_pylist())
+            return done
+        except FileNotFoundError:
+            continue
+    raise RuntimeError(f"the checkpoints of {folder} kept changing while they were read ({MERGE_RACES} tries): "
+                       "is a second attempt of this shard merging in a loop? Stop it and retry")
+
 
 
 def write_part(folder: Path, rows: list[dict], schema: pa.Schema) -> None:

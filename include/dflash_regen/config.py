@@ -20,23 +20,9 @@ from typing import Any
 from dflash_regen.deployment import DEMO_MODEL, DEMO_PROMPTS, EMULATOR
 from dflash_regen.errors import ConfigError
 from dflash_regen.layout import RunLayout
-from dflash_regen.params import SPECS, checked, defaults
+from dflash_regen.params import COOKBOOK_ENV, COOKBOOK_FLAGS, SPECS, checked, defaults
 from dflash_regen.params import invalid as _fail
 
-# Qwen3.6-27B with MTP as SGLang's cookbook launches it (notes/sglang-api.md §1.1). Every flag can be
-# overridden or extended by the `server_flags` Param.
-COOKBOOK_FLAGS: dict[str, str | None] = {
-    "--reasoning-parser": "qwen3",
-    "--tool-call-parser": "qwen3_coder",
-    "--speculative-algorithm": "EAGLE",
-    "--speculative-num-steps": "3",
-    "--speculative-eagle-topk": "1",
-    "--speculative-num-draft-tokens": "4",
-    "--mamba-scheduler-strategy": "extra_buffer",
-    "--mem-fraction-static": "0.8",
-    "--enable-metrics": None,
-}
-COOKBOOK_ENV = {"SGLANG_ENABLE_SPEC_V2": "1"}
 LAUNCHER_FLAGS = {"--model-path", "--model", "--host", "--port", "--api-key"}  # set per server by fleet.launch
 MAX_PORT = SPECS["base_port"].maximum  # the last server's port too
 
@@ -204,6 +190,7 @@ class QualitySettings:
     max_repetition: float = 0.5  # share of repeated 8-grams in the reasoning
     max_length: int = 4096  # SpecForge's Qwen3.6-27B recipe trains at 4096
     max_overlong_share: float = 0.1
+    max_rerender_drift_share: float = 0.05  # samples whose re-rendered answer differs from the server's tokens
 
 
 @dataclass(frozen=True)
@@ -387,6 +374,7 @@ class RunConfig:
             max_repetition=get("max_repetition_score"),
             max_length=get("train_max_length"),
             max_overlong_share=get("max_overlong_share"),
+            max_rerender_drift_share=get("max_rerender_drift_share"),
         )
         capacity = CapacitySettings(calibration_prompts=get("calibration_prompts"),
                                     apply_advised_concurrency=get("apply_advised_concurrency"))

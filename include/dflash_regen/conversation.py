@@ -11,7 +11,11 @@ import json
 
 # Every published turn carries all of these, and every row `id`, `conversations` and `tools`: loaders that take
 # their columns from the first record (SpecForge's offline path: `datasets.Dataset.from_generator`) would
-# otherwise drop a key the first record lacks, or fail on it. Empty values have the type the full ones have.
+# otherwise drop a key the first record lacks, or fail on it. Every value is a string: `tools` and `tool_calls` are
+# JSON text (`"[]"` when none), which SpecForge decodes itself. As JSON lists, Arrow (`load_dataset("json")`, the
+# online path of `specforge train`) gives the tool schemas of every row the key order of the first row whose keys
+# are the same, so the trainer rendered another `<tools>` block than the model was prompted with; and a file read
+# in blocks (10 MB each) fails when a block without tool calls comes first (tests/contract/test_specforge_contract.py).
 TURN_DEFAULTS = {"role": "", "content": "", "reasoning_content": "", "tool_calls": [], "tool_call_id": ""}
 
 
@@ -47,6 +51,13 @@ def from_rows(prompt_row: dict, completion_row: dict) -> tuple[list[dict], list[
 
 
 def specforge_record(sample_id: str, conversation: list[dict], tools: list[dict] | None) -> dict:
-    """SpecForge's training row: {"id", "conversations": [{"role", "content", ...}], "tools"}, every key present."""
+    """SpecForge's training row: {"id", "conversations": [{"role", "content", ...}], "tools"}, every key present,
+    `tools` and each turn's `tool_calls` as JSON text."""
     turns = [{k: turn.get(k) or default for k, default in TURN_DEFAULTS.items()} for turn in conversation]
-    return {"id": sample_id, "conversations": turns, "tools": tools or []}
+    for turn in turns:
+        turn["tool_calls"] = _json_text(turn["tool_calls"])
+    return {"id": sample_id, "conversations": turns, "tools": _json_text(tools or [])}
+
+
+def _json_text(value) -> str:
+    return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)

@@ -32,6 +32,7 @@ from dflash_regen import (
     publish,
     quality,
     runlock,
+    sglang,
     smoke,
     staging,
     tokenize,
@@ -357,7 +358,21 @@ def tokenize_shard(params: dict, run_id: str, generated: dict, node: dict | None
     shard = generated["shard"]
     tok = tokenize.load_tokenizer(cfg.staging_dir)
     return tokenized.tokenize_shard(cfg.layout.shard(shard), Path(generated["path"]), cfg.layout, shard, tok,
-                                    include_reasoning=cfg.mask_reasoning)
+                                    include_reasoning=cfg.mask_reasoning, dialect=_served_dialect(cfg))
+
+
+def _served_dialect(cfg: RunConfig) -> sglang.Dialect | None:
+    """The SGLang version the node's fleet ran (its health report): how it handed the tools to the template."""
+    path = cfg.layout.node_report("health")
+    servers = json.loads(path.read_text())["servers"] if path.is_file() else []
+    versions = sorted({s["version"] for s in servers if s.get("version")})
+    if len(versions) > 1:
+        raise tokenize.TokenizeError(f"the fleet in {path} ran SGLang {', '.join(versions)}: one version per node "
+                                     "renders one tools block; relaunch the fleet with one server_command")
+    if not versions:
+        log.warning("no SGLang version in %s: tools are rendered as sent, which may differ from the server's "
+                    "<tools> block", path)
+    return sglang.Dialect(versions[0]) if versions else None
 
 
 @fail_fast

@@ -35,11 +35,15 @@ class Deployment:
       DFLASH_PROMPT_SOURCE     prompt_source           (demo)
       DFLASH_OUTPUT_ROOT       output_root             (~/dflash-regen)
       DFLASH_EMULATOR_PROFILE  emulator_profile        (JSON object; {} = the emulator's default)
+      DFLASH_SHARD_SIZE        shard_size              ('' = the Param table's; `make airflow` sizes it for the demo)
     Read when the DAG is parsed (not Params: Airflow fixes them per task, not per run):
       DFLASH_PARALLEL_SHARDS   generate tasks running at once (7)
       DFLASH_GENERATE_RETRIES  retries of a failed shard (3; 0 leaves it for a human to clear)
       DFLASH_WORKER_QUEUE      the Celery queue of every task ('' = Airflow's default queue)
       DFLASH_NODES             several GPU nodes, a JSON list (dflash_regen.nodes; '' = one node)
+    Read by the report pages (the api-server):
+      DFLASH_SERVED_ROOTS      more output roots whose runs the pages show, ':'-separated ('' = only output_root);
+                               a run whose conf names another root is refused, so a conf cannot open any path
     """
 
     model_source: str = DEMO_MODEL
@@ -49,23 +53,37 @@ class Deployment:
     prompt_source: str = DEMO_PROMPTS
     output_root: str = field(default_factory=lambda: str(Path.home() / "dflash-regen"))
     emulator_profile: dict = field(default_factory=dict)
+    shard_size: int = 0  # 0: the Param table's default
     parallel_shards: int = 7
     generate_retries: int = 3
     worker_queue: str = ""
     nodes: str = ""  # parsed by dflash_regen.nodes.parse_nodes, which owns the format
+    served_roots: str = ""
+
+    def report_roots(self) -> list[Path]:
+        """The output roots the report pages may read: the default one first, then DFLASH_SERVED_ROOTS."""
+        roots = [r.strip() for r in (self.output_root, *self.served_roots.split(os.pathsep)) if r.strip()]
+        relative = [r for r in roots if not os.path.isabs(r)]
+        if relative:
+            raise ConfigError(f"DFLASH_SERVED_ROOTS / DFLASH_OUTPUT_ROOT name relative paths {relative}: give "
+                              "absolute paths, ':'-separated")
+        return list(dict.fromkeys(Path(os.path.normpath(r)) for r in roots))
 
     def param_defaults(self) -> dict[str, Any]:
         return {"model_source_dir": self.model_source, "staging_dir": self.staging_dir,
                 "server_command": self.server_command, "base_port": self.base_port,
                 "prompt_source": self.prompt_source, "output_root": self.output_root,
-                "emulator_profile": copy.deepcopy(self.emulator_profile)}
+                "emulator_profile": copy.deepcopy(self.emulator_profile)} | \
+            ({"shard_size": self.shard_size} if self.shard_size else {})
 
 
 _ENV = {"model_source": "DFLASH_MODEL_SOURCE", "staging_dir": "DFLASH_STAGING_DIR",
         "server_command": "DFLASH_SERVER_COMMAND", "base_port": "DFLASH_BASE_PORT",
         "prompt_source": "DFLASH_PROMPT_SOURCE", "output_root": "DFLASH_OUTPUT_ROOT",
-        "emulator_profile": "DFLASH_EMULATOR_PROFILE", "parallel_shards": "DFLASH_PARALLEL_SHARDS",
-        "generate_retries": "DFLASH_GENERATE_RETRIES", "worker_queue": "DFLASH_WORKER_QUEUE", "nodes": NODES_ENV}
+        "emulator_profile": "DFLASH_EMULATOR_PROFILE", "shard_size": "DFLASH_SHARD_SIZE",
+        "parallel_shards": "DFLASH_PARALLEL_SHARDS",
+        "generate_retries": "DFLASH_GENERATE_RETRIES", "worker_queue": "DFLASH_WORKER_QUEUE", "nodes": NODES_ENV,
+        "served_roots": "DFLASH_SERVED_ROOTS"}
 
 
 def deployment(environ: Mapping[str, str] | None = None) -> Deployment:

@@ -245,8 +245,31 @@ def stop_fleet(fleet_dir: Path) -> list[str]:
 
 
 def mark_unhealthy(fleet_dir: Path, server: Server, reason: str) -> None:
-    FleetFiles(fleet_dir).unhealthy(server.index).write_text(reason)
+    files = FleetFiles(fleet_dir)
+    files.unhealthy(server.index).write_text(reason)
+    with open(files.unhealthy_log, "a") as history:  # one short line per write: appends do not interleave
+        history.write(json.dumps({"server": server.index, "gpu": server.gpu, "name": server.name,
+                                  "reason": _first_line(reason), "at": time.time()}) + "\n")
     log.warning("marked %s unhealthy: %s", server.name, reason)
+
+
+def unhealthy_history(fleet_dir: Path) -> list[dict]:
+    """Every marking of `mark_unhealthy` in this fleet dir, oldest first, relaunches included."""
+    try:
+        lines = FleetFiles(fleet_dir).unhealthy_log.read_text().splitlines()
+    except OSError:
+        return []
+    out = []
+    for line in lines:
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            continue  # a line cut by a crash mid-write
+    return out
+
+
+def _first_line(text: str) -> str:
+    return (text.strip().splitlines() or [""])[0]
 
 
 def healthy_servers(fleet_dir: Path, servers: list[Server]) -> list[Server]:

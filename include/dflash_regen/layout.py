@@ -2,6 +2,7 @@
 
     runs/<run_id>/
       fleet/[<node>/]   server-<i>.log, server-<i>.json (pid + launch spec), exit-<i>.json, unhealthy-<i>,
+                        unhealthy.jsonl (every marking, kept across relaunches),
                         lease-<i>.lock, api_key, failed-shard-XXXXX.json            (FleetFiles)
       shards/           plan.json, shard-XXXXX.parquet                              (schemas.PROMPT_SHARD)
       completions/      shard-XXXXX.parquet (merged), shard-XXXXX/part-*.parquet    (schemas.COMPLETION)
@@ -93,6 +94,11 @@ class FleetFiles:
 
     def unhealthy_markers(self) -> list[Path]:
         return sorted(self.dir.glob("unhealthy-*"))
+
+    @property
+    def unhealthy_log(self) -> Path:
+        """Every server ever marked unhealthy (JSON lines); outlives a relaunch, so the pages keep the history."""
+        return self.dir / "unhealthy.jsonl"
 
     def launch_markers(self) -> list[Path]:
         """What a fresh launch clears: the unhealthy markers and exit records of the fleet before it."""

@@ -15,11 +15,28 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from dflash_regen.deployment import Deployment, deployment
+from dflash_regen.deployment import EMULATOR, Deployment, deployment
 from dflash_regen.errors import ConfigError
 from dflash_regen.prompts import PROMPT_FORMATS
 
 OPTIONAL_TEXT = ("null", "string")  # the form sends null for a text box left empty; plain "string" refuses it
+# Optional lists and objects: the form marks a field required unless its type admits null.
+OPTIONAL_LIST, OPTIONAL_OBJECT = ("null", "array"), ("null", "object")
+
+# Qwen3.6-27B with MTP as SGLang's cookbook launches it: the flags under the `server_flags` Param, which can
+# override, drop ('--flag off') or extend each of them. The form lists them in that Param's description.
+COOKBOOK_FLAGS: dict[str, str | None] = {
+    "--reasoning-parser": "qwen3",
+    "--tool-call-parser": "qwen3_coder",
+    "--speculative-algorithm": "EAGLE",
+    "--speculative-num-steps": "3",
+    "--speculative-eagle-topk": "1",
+    "--speculative-num-draft-tokens": "4",
+    "--mamba-scheduler-strategy": "extra_buffer",
+    "--mem-fraction-static": "0.8",
+    "--enable-metrics": None,
+}
+COOKBOOK_ENV = {"SGLANG_ENABLE_SPEC_V2": "1"}
 
 
 @dataclass(frozen=True)
@@ -88,8 +105,11 @@ SPECS: dict[str, Spec] = {
                      "--port and --api-key are added per server).")),
     "server_flags": Spec(
         "", OPTIONAL_TEXT, FLEET, title="Extra or overriding SGLang flags",
-        description=("Added to the Qwen3.6 MTP cookbook flags; '--flag off' drops a default, e.g. "
-                     "'--max-mamba-cache-size 160 --max-running-requests 32'.")),
+        description=("Added to the Qwen3.6 MTP cookbook flags, which every server gets: "
+                     + " ".join(f if v is None else f"{f} {v}" for f, v in COOKBOOK_FLAGS.items())
+                     + " (and env " + " ".join(f"{k}={v}" for k, v in COOKBOOK_ENV.items()) + "). Same flag = "
+                     "override; '--flag off' drops a default, e.g. '--max-mamba-cache-size 160 "
+                     "--max-running-requests 32'.")),
     "served_model_name": Spec(
         "qwen3.6-27b", "string", FLEET, title="Served model name", min_length=1,
         description="SGLang's --served-model-name, sent as 'model' in every request and recorded with each sample."),
@@ -218,7 +238,7 @@ SPECS: dict[str, Spec] = {
         1800.0, "number", DISPATCH, title="Autotune: total budget (s)", minimum=1, maximum=7 * 86_400,
         description="Candidates that would end past this are skipped (reported as such)."),
     "autotune_candidates": Spec(
-        [], "array", DISPATCH, title="Autotune: extra candidates", items={"type": "string"},
+        [], OPTIONAL_LIST, DISPATCH, title="Autotune: extra candidates", items={"type": "string"},
         rule='must be a list of flag sets, e.g. ["--max-running-requests 24", "--kv-cache-dtype fp8_e4m3"]',
         description=("Flag sets to try on top of server_flags, one per line, e.g. '--max-running-requests 24 "
                      "--max-mamba-cache-size 120'.")),
@@ -258,6 +278,12 @@ SPECS: dict[str, Spec] = {
         0.05, "number", QUALITY, title="Max share of truncated answers (finish_reason length)", minimum=0,
         maximum=1,
         description="Answers cut by max_tokens are quarantined; above this share the gate fails: raise max_tokens."),
+    "max_rerender_drift_share": Spec(
+        0.05, "number", QUALITY, title="Max share re-rendered unlike the server's output", minimum=0, maximum=1,
+        description=("The trainer re-renders each answer from its parsed fields (reasoning, content, tool calls); "
+                     "where that differs from the tokens the server generated (whitespace around </think> the "
+                     "template normalizes, tool-call values re-serialized), the sample is marked "
+                     "(rerender_token_delta); above this share the gate fails.")),
     "max_repetition_score": Spec(
         0.5, "number", QUALITY, title="Max reasoning repetition score", minimum=0, maximum=1,
         description="Share of repeated 8-grams; loops (temperature 0) score near 1."),
@@ -278,13 +304,13 @@ SPECS: dict[str, Spec] = {
         DEMO.output_root, "string", OUTPUT, title="Output root", pattern=r"^/", rule="must be an absolute path",
         description="Absolute path; runs go to <output root>/runs/<run id>/."),
     "emulator_faults": Spec(
-        {}, "object", EMULATOR_SECTION, title="Emulator faults",
+        {}, OPTIONAL_OBJECT, EMULATOR_SECTION, title="Emulator faults",
         description=("Only with the emulator: faults per GPU id ('*' = every server), e.g. "
                      '{"2": {"crash_after_requests": 8}} SIGKILLs the server on GPU 2 at its 9th chat request, '
                      '{"*": {"http_error_rate": 0.05}} answers 5% with HTTP 500/503, {"1": {"kv_tokens": 100000}} '
                      "gives GPU 1 a small KV cache. Every knob: the docstring of dflash_regen.emulator. {} = none.")),
     "emulator_profile": Spec(
-        DEMO.emulator_profile, "object", EMULATOR_SECTION, title="Emulator profile",
+        DEMO.emulator_profile, OPTIONAL_OBJECT, EMULATOR_SECTION, title="Emulator profile",
         description=('Only with the emulator: its speed, e.g. {"decode_tokens_per_s": 3000} (per request), or a GPU '
                      "preset; {} = the default profile.")),
     "node_failure": Spec(
@@ -301,10 +327,12 @@ def defaults(dep: Deployment | None = None, *, nodes: bool = False) -> dict[str,
 
 
 def trigger_form(dep: Deployment, *, nodes: bool) -> dict[str, dict]:
-    """Per Param, the keyword arguments of its `airflow.sdk.Param` (default, description, JSON schema)."""
+    """Per Param, the keyword arguments of its `airflow.sdk.Param` (default, description, JSON schema). The
+    Emulator section only where the deployment runs the emulator: on a GPU node its Params would only confuse."""
     values = defaults(dep, nodes=nodes)
+    emulated = dep.server_command == EMULATOR
     return {name: {"default": values[name], "description": SPECS[name].description, **SPECS[name].schema()}
-            for name in values}
+            for name in values if emulated or SPECS[name].section != EMULATOR_SECTION}
 
 
 def invalid(name: str, value: Any, rule: str) -> ConfigError:
@@ -350,12 +378,12 @@ def checked(params: Mapping[str, Any], name: str) -> Any:
         if not isinstance(value, bool):
             raise invalid(name, value, "must be true or false")
         return value
-    if spec.type == "object":
+    if spec.type in ("object", OPTIONAL_OBJECT):
         value = {} if value is None else value
         if not isinstance(value, dict):
             raise invalid(name, value, spec.rule or "must be a JSON object")
         return value
-    if spec.type == "array":
+    if spec.type in ("array", OPTIONAL_LIST):
         value = [] if value is None else value
         if not isinstance(value, list) or not all(isinstance(x, str) for x in value):
             raise invalid(name, value, spec.rule or "must be a list of strings")

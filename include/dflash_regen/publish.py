@@ -5,7 +5,8 @@ rename within one filesystem is atomic). A tokenized shard with nothing to leave
 only when the run folder is on another filesystem, which the log says), so the dataset is not stored twice;
 only the shards that hold samples the quality gate quarantined are rewritten. A version that already exists is
 left alone, so a rerun of `publish` after a crash publishes once. Contents:
-- `conversations.jsonl`: SpecForge's online-training format (`{"id", "conversations": [...]}`);
+- `conversations.jsonl`: SpecForge's online-training format (`{"id", "conversations": [...], "tools"}`; `tools`
+  and each turn's `tool_calls` as JSON text, see `conversation.specforge_record`);
 - `tokenized/part-XXXXX.parquet`: `sample_id`, `input_ids` list<int32>, `loss_mask` list<int8>, `n_tokens`,
   `loss_mask_sum` (loadable with `datasets.load_dataset("parquet", data_dir=...)`);
 - `manifest.json` (counts, token totals, quality summary, input fingerprint, config, storage estimate)
@@ -175,13 +176,15 @@ top_p {manifest['config'].get('top_p')}, max_tokens {manifest['config'].get('max
 | output tokens | {t['output']:,} |
 | total tokens (prompt + output) | {t['total']:,} |
 
-{_budget_note(manifest)}Input formats: {_counts(source.get('formats'))}. Repairs made to the input (by kind, over the
-planned prompts): {_counts(source.get('repairs'))}.
+{_budget_note(manifest)}{_rerender_note(manifest)}Input formats: {_counts(source.get('formats'))}. Repairs made to
+the input (by kind, over the planned prompts): {_counts(source.get('repairs'))}.
 
 Files: `conversations.jsonl` (SpecForge training format; every row has `id`, `conversations` and `tools`,
-`[]` when none, and every turn `role`, `content`, `reasoning_content`, `tool_calls`, `tool_call_id`, empty
-when unused), `tokenized/` (input_ids, loss_mask; loss mask = the generated assistant turn incl. reasoning,
-SpecForge `qwen3.5` convention). Offline hidden states for this set would need about
+and every turn `role`, `content`, `reasoning_content`, `tool_calls`, `tool_call_id`, empty when unused; `tools`
+and `tool_calls` are JSON text, `"[]"` when none: SpecForge decodes them itself, and every reader keeps them as
+written, e.g. `json.loads(row["tools"])`; `tools` as the SGLang server handed them to the chat template, so the
+trainer renders the prompt the model answered), `tokenized/` (input_ids, loss_mask; loss mask = the generated
+assistant turn incl. reasoning, SpecForge `qwen3.5` convention). Offline hidden states for this set would need about
 {manifest['storage']['offline_hidden_states_tb']:.1f} TB.
 """
 
@@ -195,6 +198,16 @@ def _budget_note(manifest: dict) -> str:
             f"({manifest['config'].get('train_max_length'):,} tokens) minus its prompt's tokens, what the trainer "
             f"reads. {cut:,} samples end there (column `truncated_at_train_length` in the run's completions; "
             "finish_reason `length`); they are kept as training text, not counted as truncation failures.\n\n")
+
+
+def _rerender_note(manifest: dict) -> str:
+    """The dataset card's line on samples the trainer re-renders other than the server generated them."""
+    differ = manifest["counts"].get("rerender_differs", 0)
+    if not differ:
+        return ""
+    return (f"{differ:,} samples re-render from their parsed fields to another token count than the server "
+            "generated (whitespace around `</think>`, tool-call values re-serialized; the quality summary's "
+            "`rerender_token_delta`): trained on, within Param max_rerender_drift_share.\n\n")
 
 
 def _counts(counts: dict | None) -> str:
@@ -256,7 +269,9 @@ def publish_run(layout: RunLayout, dest: Path, plan: dict, quality: dict, config
         "counts": {"prompts": plan["rows"], "published": published, "quarantined": quarantined,
                    "quarantined_by_reason": by_reason,
                    # Param budget train_length: published, cut where the trainer stops reading (not failures).
-                   "truncated_at_train_length": quality.get("truncated_at_train_length", 0)},
+                   "truncated_at_train_length": quality.get("truncated_at_train_length", 0),
+                   # Published and marked (rerender_token_delta): the trainer re-renders these other than generated.
+                   "rerender_differs": quality.get("rerender_differs", 0)},
         "tokens": {"total": total_tokens, "supervised": sum(r["loss_mask_sum"] for r in summary),
                    "supervised_reasoning": sum(r["reasoning_tokens"] for r in summary),
                    "supervised_answer": sum(r["content_tokens"] for r in summary),

@@ -105,6 +105,9 @@ def expectations(s: QualitySettings, expected_rows: int):
                                           mostly=1.0 - s.max_overlong_share),
         gxe.ExpectColumnValuesToBeBetween(column="reasoning_tokens", min_value=1, mostly=keep,
                                           condition_parser="pandas", row_condition="enable_thinking==True"),
+        # The re-rendered answer is the server's own output (nulls, where no comparison holds, are not counted).
+        gxe.ExpectColumnValuesToBeInSet(column="rerender_token_delta", value_set=[0],
+                                        mostly=1.0 - s.max_rerender_drift_share),
     ]
 
 
@@ -139,7 +142,7 @@ def run_suite(rows: list[dict], expected_rows: int, s: QualitySettings, docs_dir
         cfg, res = r["expectation_config"], r["result"]
         kwargs = {k: v for k, v in cfg["kwargs"].items() if k not in {"batch_id"}}
         observed = res.get("observed_value")
-        if observed is None and "unexpected_percent" in res:
+        if observed is None and res.get("unexpected_percent") is not None:  # None: every value null (none compared)
             observed = f"{res['unexpected_count']} unexpected ({res['unexpected_percent']:.2f}%)"
         table.append({"expectation": cfg["type"], "kwargs": kwargs, "success": r["success"],
                       "observed": observed, "error": (r.get("exception_info") or {}).get("exception_message")})
@@ -186,5 +189,8 @@ def validate_run(layout: RunLayout, expected_rows: int, s: QualitySettings, docs
                    "input_assistant_turns_after_last_user": sum(bool(r.get("history_from_input")) for r in rows),
                    "quarantined_by_reason": quarantine_counts(quarantined), "settings": s.__dict__,
                    # Param budget train_length: kept, marked, and not counted as truncation failures.
-                   "truncated_at_train_length": sum(bool(r.get("truncated_at_train_length")) for r in kept)})
+                   "truncated_at_train_length": sum(bool(r.get("truncated_at_train_length")) for r in kept),
+                   # Kept and marked: the trainer re-renders these other than the server generated them.
+                   "rerender_differs": sum(r.get("rerender_token_delta") not in (0, None) for r in kept),
+                   "rerender_compared": sum(r.get("rerender_token_delta") is not None for r in kept)})
     return report

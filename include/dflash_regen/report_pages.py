@@ -1,10 +1,10 @@
 """The web pages behind the Airflow UI links: a run's data-quality report, its GX Data Docs, and the fleet.
 
-`build_app(output_root, auth, airflow)` returns a FastAPI app; the Airflow plugin (plugins/dflash_regen_ui.py)
+`build_app(roots, auth, airflow)` returns a FastAPI app; the Airflow plugin (plugins/dflash_regen_ui.py)
 mounts it and passes Airflow's own `get_user` as `auth`, because a mounted plugin app gets no authentication
 by itself, and `airflow`, a read-only view of the DAG's runs and task instances as plain dicts (None: the pages
-show what the run folders alone say). Every route depends on `auth`. Pages read only
-`<output_root>/runs/<run_id>/` through `run_report` and never serve a file outside the run's Data Docs folder.
+show what the run folders alone say). Every route depends on `auth`. Pages read only `<root>/runs/<run_id>/`
+of the output roots they are given, through `run_report`, and never serve a file outside the run's Data Docs.
 Nothing here imports Airflow.
 
 Pages are plain server-rendered HTML with inline CSS and SVG: they stay legible without network access, and
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from html import escape
 from pathlib import Path
 from typing import Protocol
@@ -106,8 +106,13 @@ def _detail(server: str | None) -> str:
     return (server or "").partition(" (")[2].removesuffix(")")
 
 
+def _breakable(name: str) -> Markup:
+    """'expect_column_values_to_be_between' may wrap after an underscore, never inside a word."""
+    return Markup("_<wbr>").join(escape(part) for part in str(name).split("_"))
+
+
 TEMPLATES.filters.update(duration=_duration, number=_number, when=_when, short=_short, detail=_detail,
-                         urlpart=lambda s: quote(str(s), safe=""))
+                         breakable=_breakable, urlpart=lambda s: quote(str(s), safe=""))
 
 
 def _page(template: str, status_code: int = 200, **context) -> HTMLResponse:
@@ -140,52 +145,87 @@ def _data_docs_pages(docs: Path) -> list[tuple[str, str]]:
     return out
 
 
-def build_app(output_root: Path, auth: Callable, airflow: AirflowView | None = None) -> FastAPI:
-    """All routes require `auth` (a FastAPI dependency that raises 401/403 for an anonymous request)."""
-    root = Path(output_root)
+def build_app(roots: Path | Sequence[Path], auth: Callable, airflow: AirflowView | None = None) -> FastAPI:
+    """All routes require `auth` (a FastAPI dependency that raises 401/403 for an anonymous request). `roots`:
+    the output roots whose runs may be shown, the default one first; a run Airflow knows is read under the root
+    its conf named, and refused when that root is not one of them."""
+    roots = [Path(roots)] if isinstance(roots, str | Path) else [Path(r) for r in roots]
     app = FastAPI(title="dflash-regen reports", dependencies=[Depends(auth)], docs_url=None, redoc_url=None,
                   openapi_url=None)
-
-    def run_dir(run_id: str) -> Path:
-        try:
-            return run_report.resolve_run(root, run_id)
-        except run_report.RunNotFound as exc:
-            raise HTTPException(404, f"{exc}. Runs are read from the output root {root} "
-                                     "(env DFLASH_OUTPUT_ROOT of the api-server).") from exc
 
     def airflow_run(run_id: str) -> dict | None:
         return airflow.run(run_id) if airflow is not None else None
 
+    def locate(run_id: str) -> tuple[Path | None, dict | None]:
+        """The run's folder (None if it has none yet) and Airflow's record of the run (None if unknown)."""
+        known = airflow_run(run_id)
+        if known is not None and (root := run_report.run_root(roots, known)) is None:
+            raise HTTPException(403, f"run {run_id!r} writes to output_root {known['output_root']}, which these "
+                                     f"pages do not serve ({', '.join(map(str, roots))}); to show it, add that "
+                                     "root to DFLASH_SERVED_ROOTS of the api-server")
+        for candidate in [root] if known is not None else roots:
+            try:
+                return run_report.resolve_run(candidate, run_id), known
+            except run_report.RunNotFound:
+                continue
+        return None, known
+
+    def run_dir(run_id: str) -> tuple[Path, dict | None]:
+        run, known = locate(run_id)
+        if run is None:
+            raise HTTPException(404, f"no run {run_id!r} under {', '.join(str(r / 'runs') for r in roots)} "
+                                     "(the output roots these pages serve: env DFLASH_OUTPUT_ROOT and "
+                                     "DFLASH_SERVED_ROOTS of the api-server)")
+        return run, known
+
+    def tab(run_id: str, page: str, render: Callable[[str, Path, dict | None], HTMLResponse]) -> HTMLResponse:
+        """A run's tab; for a run with no folder yet (queued, or failed before writing one), Airflow's state and
+        failed tasks instead of a bare 404."""
+        run, known = locate(run_id)
+        if run is not None:
+            return render(run_id, run, known)
+        if known is None:
+            run_dir(run_id)  # the 404 that says where runs are read from
+        return _page("no_run_folder.html", run_id=run_id, state=run_report.run_state(None, known), page=page,
+                     roots=", ".join(map(str, roots)))
+
     @app.get("/", response_class=HTMLResponse)
     def index():
-        runs = run_report.list_runs(root, airflow.runs() if airflow is not None else None)
-        return _page("index.html", root=str(root), r=runs)
+        runs = run_report.list_runs(roots, airflow.runs() if airflow is not None else None)
+        return _page("index.html", root=", ".join(map(str, roots)), r=runs)
 
     @app.get("/runs/{run_id}/quality.json")
     def quality_json(run_id: str):
-        return JSONResponse(run_report.quality_report(run_dir(run_id), airflow_run(run_id)))
+        return JSONResponse(run_report.quality_report(*run_dir(run_id)))
 
-    @app.get("/runs/{run_id}/quality", response_class=HTMLResponse)
-    def quality(run_id: str):
-        report = run_report.quality_report(run_dir(run_id), airflow_run(run_id))
+    def quality_page(run_id: str, run: Path, known: dict | None) -> HTMLResponse:
+        report = run_report.quality_report(run, known)
         mask = report["loss_mask"]
         chart = charts.histogram(mask["histogram"], highlight_at_or_below=mask["empty_at_or_below"],
                                  x_title="loss_mask.sum() (tokens)")
         return _page("quality.html", run_id=run_id, r=report, state=report["run_state"], chart=chart,
                      page="quality")
 
+    @app.get("/runs/{run_id}/quality", response_class=HTMLResponse)
+    def quality(run_id: str):
+        return tab(run_id, "quality", quality_page)
+
     @app.get("/runs/{run_id}/fleet.json")
     def fleet_json(run_id: str):
-        return JSONResponse(run_report.fleet_report(run_dir(run_id), airflow_run(run_id)))
+        return JSONResponse(run_report.fleet_report(*run_dir(run_id)))
 
-    @app.get("/runs/{run_id}/fleet", response_class=HTMLResponse)
-    def fleet(run_id: str):
-        report = run_report.fleet_report(run_dir(run_id), airflow_run(run_id))
+    def fleet_page(run_id: str, run: Path, known: dict | None) -> HTMLResponse:
+        report = run_report.fleet_report(run, known)
         tp = report["throughput"]
         servers = {_short(name): values for name, values in tp["servers"].items()}
         chart = charts.time_series(servers, bin_s=tp["bin_s"], x_title="time since the first answer (pauses cut out)",
                                    y_title="output tok/s", ticks=tp["ticks"], breaks=tp["breaks"], marks=tp["marks"])
-        return _page("fleet.html", run_id=run_id, r=report, state=report["run_state"], chart=chart, page="fleet")
+        return _page("fleet.html", run_id=run_id, r=report, state=report["run_state"], chart=chart,
+                     page="fleet")
+
+    @app.get("/runs/{run_id}/fleet", response_class=HTMLResponse)
+    def fleet(run_id: str):
+        return tab(run_id, "fleet", fleet_page)
 
     @app.get("/runs/{run_id}/data-docs")
     def data_docs_root(run_id: str):
@@ -193,13 +233,13 @@ def build_app(output_root: Path, auth: Callable, airflow: AirflowView | None = N
 
     @app.get("/runs/{run_id}/data-docs/{path:path}")
     def data_docs(run_id: str, path: str):
-        run = run_dir(run_id)
+        run, known = run_dir(run_id)
         docs = RunLayout(run).data_docs.resolve()
         target = (docs / (path or "index.html")).resolve()
         if target.is_dir():
             target = (target / "index.html").resolve()
         if docs not in target.parents or not target.is_file():
-            state = run_report.run_state(run, airflow_run(run_id))
+            state = run_report.run_state(run, known)
             return _page("no_data_docs.html", status_code=404, run_id=run_id, path=path, state=state,
                          validated=(docs / "index.html").is_file(), page="data-docs",
                          up="../" * (path.count("/") + 1))

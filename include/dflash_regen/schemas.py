@@ -59,12 +59,15 @@ SUMMARY = pa.schema([
     ("tool_call_expected", pa.bool_()), ("tool_call_present", pa.bool_()),
     ("repetition_score", pa.float32()), ("enable_thinking", pa.bool_()),
     ("history_from_input", pa.bool_()), ("truncated_at_train_length", pa.bool_()),
+    ("rerender_token_delta", pa.int32()),
 ])
 """The per-sample summary (`tokenized/summary-XXXXX.parquet`), the contract the quality gate validates: the
 row rules (`quality.row_problem`) and the Great Expectations suite read these columns, and nothing else, of
 every tokenized sample. `reasoning_tokens`/`content_tokens` are supervised tokens of each part,
 `history_from_input` says assistant turns after the last user turn came from the input (SpecForge trains
-them too), `repetition_score` is the share of repeated 8-grams in the reasoning."""
+them too), `repetition_score` is the share of repeated 8-grams in the reasoning, `rerender_token_delta` the
+generated turn's tokens as the trainer renders them minus the tokens the server generated (0: the same count;
+null where no comparison holds: `tokenized.rerender_token_delta`)."""
 
 GATE_QUARANTINE = pa.schema([("sample_id", pa.string()), ("reason", pa.string()), ("detail", pa.string())])
 """A sample the quality gate's row rules refused (`quality/quarantine.parquet`): left out of the published

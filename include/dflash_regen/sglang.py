@@ -106,6 +106,32 @@ class Dialect:
         """Environment for this version: variables it no longer reads are not set (SGLang warns on them)."""
         return {k: v for k, v in env.items() if k != "SGLANG_ENABLE_SPEC_V2" or self.reads_spec_v2_env}
 
+    def template_tools(self, tools: list[dict] | None) -> list[dict] | None:
+        """The tools as this version's server hands them to the chat template (`item.model_dump()` of its `Tool`
+        model, serving_chat.py): the `<tools>` block the model was prompted with, so training renders the same.
+        Known fields only; before 0.5.23 the function's fields in the model's order with `strict` false unless
+        sent, from 0.5.23 in the order sent; from 0.5.12 a `defer_loading` (null unless sent) on each tool."""
+        return [self._template_tool(tool) for tool in tools] if tools else tools
+
+    def _template_tool(self, tool: dict) -> dict:
+        sent = tool.get("function") or {}
+        defer = tool.get("defer_loading")
+        function = {"description": sent.get("description"), "name": sent.get("name"),
+                    "parameters": sent.get("parameters")}
+        if not self.at_least("0.5.12"):
+            return {"type": tool.get("type", "function"), "function": {**function,
+                                                                       "strict": bool(sent.get("strict", False))}}
+        function_defer = sent.get("defer_loading", defer)  # the tool's flag is copied to its function
+        if self.at_least("0.5.23"):
+            known = {**function, "strict": sent.get("strict"), "defer_loading": function_defer}
+            known = {k: v for k, v in known.items() if v is not None or k not in ("strict", "defer_loading")}
+            function = {k: known[k] for k in [*sent, *known] if k in known}
+        else:
+            function["strict"] = bool(sent.get("strict", False))
+            if function_defer is not None:
+                function["defer_loading"] = function_defer
+        return {"type": tool.get("type", "function"), "function": function, "defer_loading": defer}
+
     def refuse(self, flags: list[str], hybrid: bool = True) -> None:
         """Raise `VersionRefused` for a known-bad combination; warn for a version newer than checked."""
         speculative = "--speculative-algorithm" in [t.partition("=")[0] for t in flags]

@@ -23,21 +23,25 @@ from dflash_regen import atomic, conversation
 from dflash_regen.layout import RunLayout
 from dflash_regen.quality import repetition_score
 from dflash_regen.schemas import SUMMARY, TOKENIZED
+from dflash_regen.sglang import Dialect
 from dflash_regen.tokenize import summarize_mask, tokenize_batch
 
 log = logging.getLogger(__name__)
 
 
 def tokenize_shard(prompts_path: Path, completions_path: Path, layout: RunLayout, shard: int, tokenizer, *,
-                   include_reasoning: bool) -> dict:
+                   include_reasoning: bool, dialect: Dialect | None = None) -> dict:
+    """`dialect`: the SGLang version that generated the shard; its server's tools block (`template_tools`) is the
+    one rendered and published, so the trainer's prompt is the one the model answered."""
     tokens_path, summary_path, conv_path = layout.tokenized(shard), layout.summary(shard), layout.conversations(shard)
     if tokens_path.is_file() and summary_path.is_file() and conv_path.is_file():
         return {"shard": shard, "samples": pq.read_metadata(tokens_path).num_rows, "skipped": True}
     started = time.monotonic()
     prompts = {r["sample_id"]: r for r in pq.read_table(prompts_path).to_pylist()}
     think_end = tokenizer.convert_tokens_to_ids("</think>")
+    think_start, im_end = tokenizer.convert_tokens_to_ids("<think>"), tokenizer.convert_tokens_to_ids("<|im_end|>")
     rows = pq.read_table(completions_path).to_pylist()
-    conversations = [conversation.from_rows(prompts[row["sample_id"]], row) for row in rows]
+    conversations = training_conversations(prompts, rows, dialect)
     tokenized = tokenize_batch(tokenizer, conversations, include_reasoning=include_reasoning)
     summary, records = [], []
     for row, (turns, tools), (ids, mask) in zip(rows, conversations, tokenized, strict=True):
@@ -54,6 +58,7 @@ def tokenize_shard(prompts_path: Path, completions_path: Path, layout: RunLayout
             # SpecForge also trains assistant turns after the last user turn; flag when those come from the input.
             "history_from_input": _input_turns_after_last_user(json.loads(prompt["messages"])),
             "truncated_at_train_length": bool(row.get("truncated_at_train_length")),
+            "rerender_token_delta": rerender_token_delta(ids, row, think_start, im_end),
         })
         records.append(json.dumps(conversation.specforge_record(row["sample_id"], turns, tools), ensure_ascii=False))
     atomic.write_table(_tokens_table([row["sample_id"] for row in rows], summary, tokenized), tokens_path)
@@ -64,6 +69,32 @@ def tokenize_shard(prompts_path: Path, completions_path: Path, layout: RunLayout
     log.info("shard %d: tokenized %d samples, %d tokens in %.1f s (%.0f tok/s)", shard, len(tokenized), n_tokens,
              seconds, n_tokens / max(seconds, 1e-9))
     return {"shard": shard, "samples": len(tokenized), "tokens": n_tokens, "skipped": False}
+
+
+def training_conversations(prompts: dict[str, dict], rows: list[dict], dialect: Dialect | None
+                           ) -> list[tuple[list[dict], list[dict] | None]]:
+    """(conversation, tools) of each completion row: its prompt row's turns plus the generated ones, and the tools
+    as `dialect`'s server handed them to the chat template (as sent when the version is unknown)."""
+    conversations = [conversation.from_rows(prompts[row["sample_id"]], row) for row in rows]
+    if dialect is None:
+        return conversations
+    return [(turns, dialect.template_tools(tools)) for turns, tools in conversations]
+
+
+def rerender_token_delta(ids: np.ndarray, row: dict, think_start: int, im_end: int) -> int | None:
+    """Tokens of the last generated turn as the trainer renders it from the parsed fields, minus the tokens the
+    server generated for it (`completion_tokens`, through its `<|im_end|>`): not 0 means the re-rendered text is not
+    the model's own (the template normalizes whitespace around `</think>` and trims the answer; tool-call values
+    come back re-serialized, e.g. `1.50` as `1.5`: tests/contract/test_sglang_contract.py). A count, not a text
+    comparison: the server's text is not returned. None where no comparison holds: thinking off (the prompt held
+    the empty think block), an answer cut by length (no `<|im_end|>` generated), no usage reported."""
+    if not row["enable_thinking"] or row["finish_reason"] == "length" or row.get("completion_tokens") is None:
+        return None
+    starts, ends = np.flatnonzero(ids == think_start), np.flatnonzero(ids == im_end)
+    if not len(starts) or not len(ends) or ends[-1] < starts[-1]:
+        return None
+    # The prompt ends with `<think>` and its "\n"; the server generated the rest through `<|im_end|>`.
+    return int(ends[-1] - starts[-1] - 1) - int(row["completion_tokens"])
 
 
 def _tokens_table(sample_ids: list[str], summary: list[dict], tokenized: list[tuple[np.ndarray, np.ndarray]]

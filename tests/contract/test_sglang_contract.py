@@ -7,7 +7,12 @@ and a judge process imports its `ServerArgs.add_cli_args`, `protocol.py` models,
   must parse with that version's parser, and an argv with a flag the version lacks must not;
 - the emulator, in that version's mode and launched by the pipeline's launcher, must answer with bodies
   that validate against that version's models and carry no field they lack;
-- SGLang's parsers, run on the emulator's raw generated text, must give what the emulator returned.
+- SGLang's parsers, run on the emulator's raw generated text, must give what the emulator returned;
+- raw-output fidelity: what those parsers make of a raw output, re-rendered by the chat template as the trainer
+  renders it, is the raw output when written in the template's form (the emulator's every demo answer too), and
+  the measured drifts are not (the tokenize stage marks those it can count);
+- what the model saw: each training sample's prompt ids are the pipeline's request as this version hands it to
+  the chat template (`Dialect.template_tools` is its `Tool` model's dump, key order included).
 """
 
 from __future__ import annotations
@@ -239,3 +244,157 @@ def test_sglangs_parsers_on_the_raw_text_give_what_the_emulator_returned(judge, 
         assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in answer["tool_calls"]] == \
             [(c["name"], c["arguments"]) for c in parsed["calls"]] != []
     assert (answer["content"] or "") == (content or "").strip()
+
+
+# ---------------------------------------------------------------------------------------- raw-output fidelity
+def _call_xml(params: list[tuple[str, str]]) -> str:
+    return ("<tool_call>\n<function=f>\n" + "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in params)
+            + "</function>\n</tool_call>")
+
+
+FIDELITY_TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+    "n": {"type": "integer"}, "x": {"type": "number"}, "s": {"type": "string"}, "o": {"type": "object"},
+    "b": {"type": "boolean"}}}}}]
+# Raw generated text (after the prompt's `<think>\n`) in the form the template writes: it round-trips. Measured with
+# both versions' parsers (see the README's raw-output fidelity figures), these do not: whitespace around
+# `</think>` other than "\n</think>\n\n", trailing whitespace in the answer (the template trims it), and tool-call
+# values the parser re-types: `1.50` -> 1.5, `{"a":1}` -> {"a": 1}, `True` -> true.
+ROUND_TRIPS = {
+    "answer": "I think.\n</think>\n\nThe answer.",
+    "empty reasoning": "\n</think>\n\nThe answer.",
+    "call": "I call.\n</think>\n\n" + _call_xml([("n", "3"), ("s", "hi")]),
+    "call after text": "I call.\n</think>\n\nLet me check.\n\n" + _call_xml([("n", "3")]),
+    "call values": "I call.\n</think>\n\n" + _call_xml([("x", "2.5"), ("s", "line one\nline two"), ("o", '{"a": 1}'),
+                                                       ("b", "true")]),
+}
+DRIFTS = {
+    "no newline before </think>": "I think.</think>\n\nThe answer.",
+    "one newline after </think>": "I think.\n</think>\nThe answer.",
+    "trailing space": "I think.\n</think>\n\nThe answer. ",
+    "float 1.50": "I call.\n</think>\n\n" + _call_xml([("x", "1.50")]),
+    "compact object": "I call.\n</think>\n\n" + _call_xml([("o", '{"a":1}')]),
+}
+
+
+@pytest.fixture(scope="module")
+def demo_tokenizer(tmp_path_factory):
+    from dflash_regen.demo_model import default_tokenizer_cache, write_demo_model
+    from dflash_regen.tokenize import load_tokenizer
+
+    return load_tokenizer(write_demo_model(tmp_path_factory.mktemp("model"), shards=1, shard_bytes=1024,
+                                           with_tokenizer=True, tokenizer_cache=default_tokenizer_cache()))
+
+
+def rerendered(judge: Judge, tok, raw: str, tools: list[dict] | None = FIDELITY_TOOLS,
+               prompt: list[dict] | None = None) -> tuple[str, int | None]:
+    """(the assistant span the trainer renders from what SGLang's qwen3 and qwen3_coder parsers make of `raw`, the
+    tokenize stage's `rerender_token_delta` for it, with the server's count: `raw`'s tokens and its `<|im_end|>`)."""
+    from dflash_regen.tokenize import ASSISTANT_HEADER, render, tokenize_batch
+    from dflash_regen.tokenized import rerender_token_delta
+
+    parsed = judge.ask("reasoning", text=raw, force=True)
+    calls = judge.ask("tools", text=parsed["content"] or "", tools=tools) if tools else {"calls": []}
+    turn = {"role": "assistant", "reasoning_content": parsed["reasoning"],
+            "content": calls["content"] if calls["calls"] else parsed["content"] or ""}
+    if calls["calls"]:
+        turn["tool_calls"] = [{"id": f"c{i}", "type": "function", "function": {
+            "name": c["name"], "arguments": json.dumps(c["arguments"])}} for i, c in enumerate(calls["calls"])]
+    conversation = [*(prompt or [{"role": "user", "content": "q"}]), turn]
+    text = render(tok, conversation, tools)
+    [(ids, _)] = tokenize_batch(tok, [(conversation, tools)])
+    generated = len(tok.backend_tokenizer.encode(raw, add_special_tokens=False).ids) + 1
+    delta = rerender_token_delta(ids, {"enable_thinking": True, "finish_reason": "stop",
+                                       "completion_tokens": generated},
+                                 tok.convert_tokens_to_ids("<think>"), tok.convert_tokens_to_ids("<|im_end|>"))
+    return text[text.rindex(ASSISTANT_HEADER) + len(ASSISTANT_HEADER):text.rindex("<|im_end|>")], delta
+
+
+def test_raw_output_in_the_templates_form_round_trips_through_sglangs_parsers_and_the_template(judge,
+                                                                                               demo_tokenizer):
+    back = {name: rerendered(judge, demo_tokenizer, raw) for name, raw in ROUND_TRIPS.items()}
+    assert {name: text for name, (text, _) in back.items()} == ROUND_TRIPS
+    # The per-sample mark counts tokens: 0 for each, but an empty reasoning's "\n" (the server's first token, after
+    # the prompt's "\n") merges with the prompt's into one "\n\n" in the trainer's ids.
+    assert {name: delta for name, (_, delta) in back.items()} == {**dict.fromkeys(ROUND_TRIPS, 0),
+                                                                  "empty reasoning": -1}
+    drifted = {name: rerendered(judge, demo_tokenizer, raw) for name, raw in DRIFTS.items()}
+    assert all(drifted[name][0] != raw for name, raw in DRIFTS.items()), drifted
+    # The count sees a drift that changes the token count; "\n" and "\n\n" are one token each, so a newline
+    # fewer after `</think>` is re-rendered unseen (a lower bound: the README's fidelity figures).
+    assert {name for name, (_, delta) in drifted.items() if delta} == set(DRIFTS) - {"one newline after </think>"}
+
+
+def test_every_emulated_demo_answer_re_renders_as_the_emulator_generated_it(judge, demo_tokenizer, tmp_path):
+    """The emulator writes the template's own form: on the demo's prompts, each raw output (thinking on, not cut)
+    parsed by this version's parsers and re-rendered by the template is the raw output, text and token count."""
+    from dflash_regen import prompts
+    from dflash_regen.demo_prompts import write_demo_prompts
+    from dflash_regen.emulator import model as emulated_model
+    from dflash_regen.emulator.faults import load_profile
+
+    profile = load_profile({"DFLASH_EMU_PROFILE": json.dumps(FAST_PROFILE)})
+    lines = write_demo_prompts(tmp_path / "prompts.jsonl").read_text().splitlines()
+    rows = [p for i, line in enumerate(lines) if isinstance(p := prompts.parse_row(f"l{i}", line), prompts.Prompt)]
+    differ, compared = [], 0
+    for seed, p in enumerate(rows):
+        gen = emulated_model.generate(emulated_model.ModelInput(messages=p.messages, tools=p.tools, seed=seed),
+                                      profile, limit=16384)
+        if gen.think_end_index is None:
+            continue
+        raw = emulated_model.decode([i for i in gen.token_ids if i != emulated_model.IM_END])
+        compared += 1
+        if rerendered(judge, demo_tokenizer, raw, p.tools, p.messages) != (raw, 0):
+            differ.append(p.sample_id)
+    assert compared > 100 and differ == []
+
+
+# ------------------------------------------------------------------ what the model saw = what training renders
+SEEN_TOOLS = [
+    {"type": "function", "function": {"name": "weather", "parameters": {  # `type` last: a repaired schema's order
+        "properties": {"city": {"type": "string"}}, "required": ["city"], "type": "object"}}},
+    {"type": "function", "function": {"description": "Réserve — 预订", "name": "book", "strict": True, "parameters": {
+        "type": "object", "properties": {"unit": {"type": "string", "enum": ["metric", "imperial"]},
+                                         "rooms": {"type": "array", "items": {"type": "object"}}}}}},
+    {"type": "function", "function": {"name": "search"}},  # no description, no parameters
+]
+CALL = {"role": "assistant", "content": "", "tool_calls": [
+    {"id": "c1", "type": "function", "function": {"name": "weather", "arguments": '{"city": "Paris"}'}}]}
+SEEN = [  # (prompt messages as planning keeps them, tools, the generated turn)
+    ([{"role": "user", "content": "Weather in Paris?"}], SEEN_TOOLS,
+     {"role": "assistant", "content": "", "reasoning_content": "Call it.", "tool_calls": CALL["tool_calls"]}),
+    ([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather in Paris?"}, CALL,
+      {"role": "tool", "content": '{"temp": 21}', "tool_call_id": "c1"}, {"role": "user", "content": "東京は?"}],
+     SEEN_TOOLS[:2], {"role": "assistant", "content": "曇り。", "reasoning_content": "No tool needed."}),
+    ([{"role": "user", "content": "Hi"}], None, {"role": "assistant", "content": "Hello.", "reasoning_content": "Hi."}),
+]
+
+
+def test_each_training_samples_prompt_is_the_prompt_sglang_rendered_for_the_model(judge, version, demo_tokenizer,
+                                                                                   tmp_path):
+    """The pipeline's request, as this SGLang version's own models hand it to the chat template (messages and
+    `tools` model-dumped, serving_chat.py), rendered by the model's template with the request's
+    `chat_template_kwargs`, is token for token the start of the training sample's `input_ids` (the tokenize
+    stage, its tools from `Dialect.template_tools`), and its loss mask starts right after it."""
+    from dflash_regen import tokenize
+    from dflash_regen.generator import chat_payload
+    from dflash_regen.tokenized import training_conversations
+
+    cfg = RunConfig.from_params(params(tmp_path, version, "emulator"), "seen")
+    dialect = sglang.Dialect(version)
+    for messages, tools, turn in SEEN:
+        payload = chat_payload(messages, tools, cfg.generation, seed=1, max_tokens=64)
+        request = valid(judge, "ChatCompletionRequest", payload)["dump"]
+        if tools:
+            assert dialect.template_tools(tools) == request["tools"]  # key order too: compared as JSON text
+            assert json.dumps(dialect.template_tools(tools)) == json.dumps(request["tools"])
+        prompt = demo_tokenizer.apply_chat_template(
+            tokenize._with_parsed_arguments([{**m, "content": m.get("content") or ""} for m in request["messages"]]),
+            tools=request.get("tools"), tokenize=False, add_generation_prompt=True, **payload["chat_template_kwargs"])
+        prompt_ids = demo_tokenizer.backend_tokenizer.encode(prompt, add_special_tokens=False).ids
+        # The tokenize stage's own conversation: the shard's prompt row and the completion row, as parquet holds them.
+        prompt_row = {"sample_id": "s", "messages": json.dumps(messages), "tools": json.dumps(tools) if tools else None}
+        completion_row = {"sample_id": "s", "assistant_turns": json.dumps([turn])}
+        [(ids, mask)] = tokenize.tokenize_batch(demo_tokenizer, training_conversations(
+            {"s": prompt_row}, [completion_row], dialect))
+        assert ids[:len(prompt_ids)].tolist() == prompt_ids, (version, prompt[-300:])
+        assert mask[:len(prompt_ids)].sum() == 0 and mask[len(prompt_ids)] == 1

@@ -8,7 +8,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 from conftest import FAST_PROFILE
 from dag_helpers import assert_ran_in_versions_mode, check_invariants, layout_of, logs, states
-from trainer_loaders import load_first_record_decides
+from specforge_check import assert_specforge_reproduces, judged, published_tokens
 
 from dflash_regen import sglang
 from dflash_regen.layout import COMPLETIONS, FAILURES
@@ -80,12 +80,39 @@ def test_demo_dag_runs_green_on_seven_emulated_servers(dag, run_params, no_lefto
     assert sorted(conversations["id"]) == sorted(tokenized["sample_id"])
     last = conversations[0]["conversations"][-1]
     assert last["role"] == "assistant" and last["reasoning_content"]
-    # SpecForge's offline loader takes its columns from the first record: every row must survive it whole.
-    trainer_rows = load_first_record_decides(version / "conversations.jsonl")
-    assert sum(json.loads(r["tools"]) != [] for r in trainer_rows) == sum(bool(t) for t in conversations["tools"]) > 0
+    # SpecForge's own parser, online and offline paths (tests/specforge_check.py) give our ids and masks on every row.
+    [verdict] = judged([version / "conversations.jsonl"], Path(conf["staging_dir"]), conf["train_max_length"],
+                       Path(conf["output_root"]) / "specforge-verdict.json")
+    assert_specforge_reproduces(verdict, published_tokens(version), conf["train_max_length"])
+    assert sum(json.loads(t) != [] for t in conversations["tools"]) > 0 and not any(verdict["readers"].values())
+    # The tools as this SGLang version's server handed them to the template (0.5.23: a `defer_loading` on each).
+    assert all(list(tool) == ["type", "function", "defer_loading"] for t in conversations["tools"]
+               for tool in json.loads(t))
+    # What the model saw is what the trainer renders, on every sample: the prompt the pipeline sent (its request),
+    # its tools as SGLang 0.5.23 hands them to the template (`template_tools`, held against SGLang's own models in
+    # tests/contract/test_sglang_contract.py), rendered by the template, is the start of the sample's input_ids.
+    from dflash_regen.config import RunConfig
+    from dflash_regen.generator import chat_payload
+    from dflash_regen.tokenize import _with_parsed_arguments
+
+    generation, dialect = RunConfig.from_params(conf, dag_run.run_id).generation, sglang.Dialect(sglang.NEWEST_CHECKED)
+    sent = {r["sample_id"]: r for p in run.shard_files() for r in pq.read_table(p).to_pylist()}
+    for row in tokenized:
+        prompt = sent[row["sample_id"]]
+        payload = chat_payload(json.loads(prompt["messages"]), json.loads(prompt["tools"]) if prompt["tools"] else None,
+                               generation, seed=0, max_tokens=1)
+        text = tok.apply_chat_template(_with_parsed_arguments(payload["messages"]), tokenize=False,
+                                       tools=dialect.template_tools(payload.get("tools")), add_generation_prompt=True,
+                                       **payload["chat_template_kwargs"])
+        ids = tok.backend_tokenizer.encode(text, add_special_tokens=False).ids
+        assert row["input_ids"][:len(ids)] == ids and not any(row["loss_mask"][:len(ids)]), row["sample_id"]
     assert manifest["input"]["repairs"] == plan["repairs"] and "type_name 72" in (version / "README.md").read_text()
     assert run.data_docs_index.is_file()
     assert manifest["quality"]["success"] and manifest["storage"]["offline_hidden_states_tb"] > 0
+    # The emulator writes the template's own form: every answer re-renders to the token count it generated.
+    quality = json.loads(run.report("quality").read_text())
+    assert quality["rerender_compared"] > 100
+    assert quality["rerender_differs"] == manifest["counts"]["rerender_differs"] == 0
 
 
 def test_whole_dag_is_green_in_the_oldest_supported_sglangs_mode_on_loopback_and_never_logs_the_key(

@@ -301,6 +301,7 @@ def test_user_triggers_from_the_form_a_rest_client_and_the_user_each_clear_one_f
     full.set_viewport_size({"width": 1400, "height": 1000})
     assert full.url.endswith(f"/dflash/runs/{quote(run_id, safe='')}/fleet"), full.url
     full.locator("#incidents").wait_for()
+    assert full.get_by_role("link", name="full page").count() == 0  # no link to the page it is on
     font_of(full)
     full.screenshot(path=screenshots / "10-fleet-full-page.png", full_page=True)
     full.set_viewport_size({"width": NARROWEST, "height": 1000})

@@ -1,5 +1,7 @@
 """The demo model dir's chat template renders what Qwen3.6's own template renders."""
 
+import json
+
 import pytest
 
 from dflash_regen.conversation import specforge_record
@@ -40,7 +42,10 @@ def test_preserve_thinking_keeps_the_reasoning_of_earlier_turns(tok):
 
 def test_a_published_record_renders_as_the_conversation_it_was_made_from(tok):
     turns = [{"role": "system", "content": "s"}, USER, CALL, RESULT, ANSWER]
-    record = specforge_record("x", turns, TOOLS)
-    assert render(tok, record["conversations"], record["tools"]) == render(tok, turns, TOOLS)
+    def as_trainer_reads(record):  # `tools` and `tool_calls` are JSON text; SpecForge decodes them
+        turns = [{**t, "tool_calls": json.loads(t["tool_calls"])} for t in record["conversations"]]
+        return turns, json.loads(record["tools"])
+
+    assert render(tok, *as_trainer_reads(specforge_record("x", turns, TOOLS))) == render(tok, turns, TOOLS)
     plain = specforge_record("y", [USER, ANSWER], None)
-    assert render(tok, plain["conversations"], plain["tools"]) == render(tok, [USER, ANSWER], None)
+    assert render(tok, *as_trainer_reads(plain)) == render(tok, [USER, ANSWER], None)

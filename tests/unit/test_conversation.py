@@ -1,3 +1,5 @@
+import json
+
 from dflash_regen.conversation import build, specforge_record
 
 U1 = {"role": "user", "content": "q1"}
@@ -20,4 +22,6 @@ def test_specforge_record_keeps_tool_calls_and_tools():
     call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}
     turn = {"role": "assistant", "content": "", "reasoning_content": "r", "tool_calls": [call]}
     rec = specforge_record("id1", build([U1], [turn], False), [{"type": "function", "function": {"name": "f"}}])
-    assert rec["id"] == "id1" and rec["conversations"][-1]["tool_calls"] == [call] and rec["tools"]
+    assert rec["id"] == "id1" and json.loads(rec["conversations"][-1]["tool_calls"]) == [call]
+    assert json.loads(rec["tools"]) == [{"type": "function", "function": {"name": "f"}}]
+    assert rec["conversations"][0]["tool_calls"] == "[]" and specforge_record("p", [U1], None)["tools"] == "[]"

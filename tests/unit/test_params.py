@@ -111,3 +111,32 @@ def test_the_form_is_built_from_the_table_with_the_deployments_defaults():
                                   "type": "integer", "allOf": [{"minimum": 1, "maximum": 1_000_000}],
                                   "section": "Prompts", "title": "Prompts per shard"}
     assert "node_failure" in trigger_form(Deployment(), nodes=True)
+
+
+def test_optional_lists_and_objects_are_not_required_in_the_form_and_read_as_empty():
+    """Airflow's form marks a field required unless its type admits null: only fields that may be left empty
+    admit it, and the config reads an emptied one as [] or {}."""
+    optional = {name for name, spec in FORM.items() if "null" in spec["type"]}
+    assert {"autotune_candidates", "emulator_faults", "emulator_profile", "server_flags"} <= optional
+    assert not optional & {"num_servers", "shard_size", "output_root", "max_tokens"}
+    assert checked({"autotune_candidates": None}, "autotune_candidates") == []
+    assert checked({"emulator_faults": None}, "emulator_faults") == {}
+    assert airflow_accepts("emulator_faults", None) and airflow_accepts("autotune_candidates", None)
+
+
+def test_the_emulator_section_is_in_the_form_only_where_the_deployment_runs_the_emulator():
+    gpu = trigger_form(Deployment(server_command="/opt/sglang/bin/python -m sglang.launch_server"), nodes=False)
+    assert not {"emulator_faults", "emulator_profile"} & set(gpu) and "server_command" in gpu
+    assert {"emulator_faults", "emulator_profile"} <= set(trigger_form(Deployment(), nodes=False))
+    # A GPU run's conf without them still validates: both read as empty.
+    cfg = RunConfig.from_params({name: spec["default"] for name, spec in gpu.items()}, "r")
+    assert cfg.run_id == "r"
+
+
+def test_the_form_lists_the_cookbook_flags_every_server_gets():
+    from dflash_regen.params import COOKBOOK_ENV, COOKBOOK_FLAGS
+
+    described = FORM["server_flags"]["description"]
+    for flag, value in COOKBOOK_FLAGS.items():
+        assert (flag if value is None else f"{flag} {value}") in described
+    assert all(f"{k}={v}" in described for k, v in COOKBOOK_ENV.items())

@@ -35,6 +35,13 @@ def test_publish_appears_complete_and_is_not_redone(tmp_path):
     assert not list(dest.parent.glob(".*"))
 
 
+def test_the_card_says_how_many_samples_re_render_other_than_generated(tmp_path):
+    _, manifest = inputs(tmp_path)
+    assert "re-render" not in publish.dataset_card("ds", "v1", manifest)
+    manifest["counts"]["rerender_differs"] = 3
+    assert "3 samples re-render from their parsed fields" in publish.dataset_card("ds", "v1", manifest)
+
+
 def test_inconsistent_counts_publish_nothing(tmp_path):
     parts, manifest = inputs(tmp_path)
     manifest["counts"]["published"] = 3
@@ -144,7 +151,8 @@ def test_publish_run_writes_what_filtering_every_shard_wrote_and_stores_clean_sh
     dest = tmp_path / "published" / "ds" / "v1"
     manifest = publish.publish_run(run, dest, plan, quality, {}, tmp_path / "model")
     assert manifest["counts"] | {"quarantined_by_reason": None} == {
-        "prompts": 5, "published": 3, "quarantined": 2, "quarantined_by_reason": None, "truncated_at_train_length": 0}
+        "prompts": 5, "published": 3, "quarantined": 2, "quarantined_by_reason": None, "truncated_at_train_length": 0,
+        "rerender_differs": 0}
     # The files as publish wrote them before: every shard read, filtered and rewritten, every line parsed.
     parts = []
     for n in (0, 1):

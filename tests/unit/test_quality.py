@@ -108,3 +108,19 @@ def test_a_run_with_no_sample_left_fails_validation_with_the_reasons(tmp_path):
     with pytest.raises(GateFailed, match=r"^no samples to validate: every prompt of the run was quarantined before "
                                          r"the quality gate \(by reason: \{'http_400': 2\}"):
         validate_run(layout, 0, S, tmp_path / "docs")
+
+
+def test_answers_re_rendered_other_than_generated_are_kept_marked_and_bounded(tmp_path):
+    """`rerender_token_delta` (tokenized.py): kept and counted below Param max_rerender_drift_share, a failed gate
+    above it; nulls (no comparison possible) count neither way."""
+    rows = ([good(i, rerender_token_delta=0) for i in range(90)] + [good(100 + i, rerender_token_delta=None)
+                                                                    for i in range(50)]
+            + [good(200 + i, rerender_token_delta=1) for i in range(4)])
+    assert apply_row_rules(rows, S)[1] == []  # marked, not quarantined
+    report = run_suite(rows, expected_rows=len(rows), s=S, docs_dir=tmp_path / "a")
+    drift = next(e for e in report["expectations"] if e["kwargs"].get("column") == "rerender_token_delta")
+    assert report["success"] and drift["success"] and "4 unexpected" in drift["observed"]  # 4 of 94 compared
+    rows += [good(300 + i, rerender_token_delta=-2) for i in range(4)]  # 8 of 98: above 5%
+    report = run_suite(rows, expected_rows=len(rows), s=S, docs_dir=tmp_path / "b")
+    drift = next(e for e in report["expectations"] if e["kwargs"].get("column") == "rerender_token_delta")
+    assert not report["success"] and not drift["success"]

@@ -3,6 +3,7 @@
 import json
 import re
 import shutil
+import time
 from pathlib import Path
 
 import numpy as np
@@ -161,6 +162,7 @@ def test_quality_page_shows_failed_expectations_counts_and_the_empty_answer_spik
     html = client.get(f"/runs/{RUN}/quality").text
     assert "counts reconcile" in html and "4 unexpected" in html and 'class="badge fail">fail' in html
     assert 'class="bar bad"' in html  # the bin holding the 6-token masks is drawn as bad
+    assert "expect_<wbr>column_<wbr>values_<wbr>to_<wbr>be_<wbr>between" in html  # wraps between words only
 
 
 def test_fleet_page_shows_allocation_smoke_and_progress_without_double_counting_parts(client):
@@ -271,6 +273,10 @@ def test_throughput_chart_cuts_out_the_pause_between_attempts():
     svg = charts.time_series(series["servers"], bin_s=series["bin_s"], x_title="t", y_title="tok/s",
                              ticks=series["ticks"], breaks=series["breaks"], marks=series["marks"])
     assert "10m01 idle" in svg and svg.count("<polyline") == 2 and "10m30" in svg
+    # the idle label sits at the bottom of the plot, below the incident marks stacked from the top
+    idle_y = float(re.search(r'<text class="break" x="[\d.]+" y="([\d.]+)"', svg).group(1))
+    mark_y = [float(y) for y in re.findall(r'<circle cx="[\d.]+" cy="([\d.]+)" r="7"', svg)]
+    assert mark_y and all(idle_y > y + 20 for y in mark_y)
 
 
 def test_data_docs_are_served_offline_and_nothing_outside_them(client):
@@ -342,3 +348,148 @@ def test_fleet_page_shows_the_autotune_table_and_the_train_length_budget(client,
     assert "skipped: fails smoke: no parsed tool call" in html and "1,836" in html
     assert "6.2% of the output tokens lie past it" in html and "save 7.1%" in html
     assert "2.1% left reasoning-only" in html
+
+
+def test_a_run_without_a_folder_is_a_row_and_its_tabs_show_airflows_state(root):
+    """A queued run and one that failed at stage_weights have no run folder: the list must not break (it once
+    answered Internal Server Error) and the tabs show the state and the failed task instead of a bare 404."""
+
+    class TwoMore(Airflow):
+        def runs(self):
+            return [{"run_id": "manual__queued", "state": "queued", "start": None, "end": None},
+                    {"run_id": "manual__early", "state": "failed", "start": 900.0, "end": 910.0}] + super().runs()
+
+        def run(self, run_id):
+            if run_id == "manual__early":
+                return {"run_id": run_id, "state": "failed", "start": 900.0, "end": 910.0, "tasks": [
+                    {"task_id": "stage_weights", "map_index": -1, "state": "failed", "try_number": 1},
+                    {"task_id": "publish", "map_index": -1, "state": "upstream_failed", "try_number": 0}]}
+            if run_id == "manual__queued":
+                return {"run_id": run_id, "state": "queued", "start": None, "end": None, "tasks": []}
+            return super().run(run_id)
+
+    client = TestClient(build_app(root, require_token, TwoMore()), headers={"Authorization": "Bearer good"})
+    index = client.get("/")
+    assert index.status_code == 200
+    rows = index.text.split('id="runs"', 1)[1].split("</table>", 1)[0]
+    assert ">manual__queued</a>" in rows and "(queued)" in rows and ">manual__early</a>" in rows
+    for page in ("quality", "fleet"):
+        early = client.get(f"/runs/manual__early/{page}")
+        assert early.status_code == 200 and early.headers["content-type"].startswith("text/html"), page
+        assert 'class="badge fail">run failed' in early.text and "<b>stage_weights</b> failed" in early.text
+        assert "failed at <b>stage_weights</b> before writing one" in early.text
+        queued = client.get(f"/runs/manual__queued/{page}")
+        assert queued.status_code == 200 and "it is queued" in queued.text
+    assert client.get("/runs/manual__unknown/quality").status_code == 404
+
+
+def test_a_run_on_a_second_served_root_is_shown_and_a_conf_naming_another_root_is_refused(root, tmp_path):
+    """Each run is read under the output root its conf named, if the deployment serves that root; a conf naming
+    any other path opens nothing."""
+    second = tmp_path / "second"
+    shutil.copytree(runs_dir(root) / FOLDER, runs_dir(second) / "manual__elsewhere")
+    (tmp_path / "outside" / "runs" / "manual__outside" / "reports").mkdir(parents=True)
+
+    class Roots(Airflow):
+        def runs(self):  # Airflow.run reads its own run from the first row
+            return super().runs() + [{"run_id": "manual__elsewhere", "state": "success", "start": 1.0, "end": 2.0,
+                                      "output_root": str(second) + "/"},
+                                     {"run_id": "manual__outside", "state": "success", "start": 1.0, "end": 2.0,
+                                      "output_root": str(tmp_path / "outside")}]
+
+        def run(self, run_id):
+            listed = {r["run_id"]: r for r in self.runs()}
+            return {**listed[run_id], "tasks": []} if run_id in listed and run_id != RUN else super().run(run_id)
+
+    client = TestClient(build_app([root, second], require_token, Roots()), headers={"Authorization": "Bearer good"})
+    rows = client.get("/").text.split('id="runs"', 1)[1].split("</table>", 1)[0]
+    elsewhere = rows.split(">manual__elsewhere</a>", 1)[1].split("</tr>", 1)[0]
+    assert '<td class="num">10</td><td class="num">4</td>' in elsewhere  # its counts, read under the second root
+    outside = rows.split(">manual__outside</a>", 1)[1].split("</tr>", 1)[0]
+    assert "is not served here" in outside and "runs/manual__outside/quality" not in outside
+    assert "loss_mask_sum" in client.get("/runs/manual__elsewhere/quality").text
+    assert client.get("/runs/manual__elsewhere/quality.json").json()["kept"] == 4
+    for path in ("quality", "fleet", "quality.json", "data-docs/index.html"):
+        refused = client.get(f"/runs/manual__outside/{path}")
+        assert refused.status_code == 403 and "DFLASH_SERVED_ROOTS" in refused.text, path
+    assert client.get(f"/runs/{RUN}/quality.json").json()["kept"] == 4
+
+
+def test_while_the_run_goes_on_its_failures_read_as_so_far_not_as_a_verdict(root):
+    """A failed shard of a running run is cleared and finishes; the verdict task and the tasks that merely wait
+    must not read as final."""
+
+    class Running(Airflow):
+        def run(self, run_id):
+            run = super().run(run_id)
+            run["tasks"] += [{"task_id": "check_published", "map_index": -1, "state": "failed", "try_number": 1},
+                             {"task_id": "stop_fleet", "map_index": -1, "state": None, "try_number": 0},
+                             {"task_id": "generate", "map_index": 2, "state": "running", "try_number": 1}]
+            return run
+
+    client = TestClient(build_app(root, require_token, Running("running", failed={"generate[0]"})),
+                        headers={"Authorization": "Bearer good"})
+    html = client.get(f"/runs/{RUN}/fleet").text
+    assert "<b>generate[0]</b> failed" in html and "Failed so far" in html
+    assert "<b>check_published</b>" not in html
+    held = html.split("held back by the failures above", 1)[1].split("</p>", 1)[0]
+    assert "validate, publish" in held and "stop_fleet" not in held
+    done = TestClient(build_app(root, require_token, Running("failed", failed={"generate[0]"})),
+                      headers={"Authorization": "Bearer good"}).get(f"/runs/{RUN}/fleet").text
+    assert "<b>check_published</b> failed" in done and "not run: validate, publish, stop_fleet" in done
+
+
+def test_a_run_the_operator_stopped_says_who_stopped_it_not_that_the_hardware_failed(root):
+    class Stopped(Airflow):
+        def run(self, run_id):
+            run = super().run(run_id)
+            for t in run["tasks"]:
+                t["end"] = 1090.0 if t["task_id"] == "generate" and t["map_index"] == 1 else 1000.0
+            return {**run, "stopped": {"by": "alice", "at": 1080.0}}
+
+    client = TestClient(build_app(root, require_token, Stopped("failed", failed={"generate[0]", "generate[1]"})),
+                        headers={"Authorization": "Bearer good"})
+    html = client.get(f"/runs/{RUN}/fleet").text
+    assert "Stopped by <b>alice</b>" in html and "marked failed by hand" not in html
+    failures = html.split('id="failures"', 1)[1].split("</ul>", 1)[0]
+    one = failures.split("<b>generate[1]</b>", 1)[1].split("</li>", 1)[0]
+    assert "stopped with the run by alice" in one  # ended after the stop: the stop ended it
+    zero = failures.split("<b>generate[0]</b>", 1)[1].split("</li>", 1)[0]
+    assert "server 2 stopped answering" in zero  # failed before the stop: its own cause stays
+
+
+def test_a_relaunch_keeps_the_history_the_dead_gpu_its_incident_and_each_shards_servers(root):
+    """After a kill, a clear relaunches the fleet (its unhealthy markers cleared) and health_check passes again:
+    the incident, the GPU that died and the servers each shard ran on must all still be shown."""
+    import os
+
+    from dflash_regen import fleet
+
+    run = RunLayout.of(root, FOLDER)
+    dead = fleet.Server(index=2, gpu="2", host="127.0.0.1", port=30002, argv=[], log_path="")
+    fleet.mark_unhealthy(run.fleet_dir, dead, "the server process was killed by SIGKILL\nlast lines: ...")
+    for marker in run.fleet.launch_markers():  # what a relaunch clears
+        marker.unlink()
+    health = json.loads(run.report("health").read_text())
+    health["servers"].append({**health["servers"][0], "server": "server 2 (GPU 2, 127.0.0.1:30002)"})
+    run.report("health").write_text(json.dumps(health))
+    later = time.time() + 60
+    os.utime(run.report("health"), (later, later))  # the health check of the relaunched fleet came after
+
+    client = TestClient(build_app(root, require_token), headers={"Authorization": "Bearer good"})
+    report = client.get(f"/runs/{RUN}/fleet.json").json()
+    assert any(i["kind"] == "server unhealthy" and "SIGKILL" in i["text"] for i in report["incidents"])
+    html = client.get(f"/runs/{RUN}/fleet").text
+    row = server_row(html, "server 2")
+    assert "was marked unhealthy" in row and "SIGKILL" in row and "health check passed" in row
+    shards = html.split('id="shards"', 1)[1].split("</table>", 1)[0]
+    assert "server 2 &rarr; server 0" in shards  # shard 0's first try and its retry
+
+    os.utime(run.report("health"), (later - 7200, later - 7200))  # no health check since the marking
+    row = server_row(client.get(f"/runs/{RUN}/fleet").text, "server 2")
+    assert 'class="badge fail">unhealthy' in row and "marked unhealthy" in row
+
+
+def server_row(html: str, server: str) -> str:
+    table = html.split('id="servers"', 1)[1].split("</table>", 1)[0]
+    return next(r for r in table.split("<tr>") if f'title="{server} (' in r)

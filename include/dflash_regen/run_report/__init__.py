@@ -34,11 +34,11 @@ from dflash_regen.run_report.quality_page import (
     quarantine_by_stage,
     threshold,
 )
-from dflash_regen.run_report.runs import PIPELINE, RUNNING_STATES, list_runs, resolve_run, run_state
+from dflash_regen.run_report.runs import PIPELINE, RUNNING_STATES, list_runs, resolve_run, run_root, run_state
 
 __all__ = [
     "ADVICE_MIN_GAIN", "HISTOGRAM_BINS", "PIPELINE", "RUNNING_STATES", "RunNotFound", "SHARDS_LISTED",
     "THROUGHPUT_POINTS", "capacity_advice", "fleet_report", "histogram", "incidents", "kv_headroom", "list_runs",
-    "nodes_report", "progress", "quality_report", "quarantine_by_stage", "resolve_run", "run_state", "shards",
-    "threshold", "throughput_series",
+    "nodes_report", "progress", "quality_report", "quarantine_by_stage", "resolve_run", "run_root", "run_state",
+    "shards", "threshold", "throughput_series",
 ]

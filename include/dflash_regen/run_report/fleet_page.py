@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow.parquet as pq
 
+from dflash_regen.fleet import unhealthy_history
 from dflash_regen.layout import COMPLETIONS, FAILURES, FleetFiles, RunLayout, shard_of
 from dflash_regen.run_report.files import _assignment, _cached, _forget_missing, _json, _rows, _statuses
 from dflash_regen.run_report.runs import RUNNING_STATES, _first_line, _generate_tis, run_state
@@ -92,12 +93,15 @@ def incidents(run: Path, shard_rows: list[dict]) -> list[dict]:
                             "text": f"shard {row['shard']} on {a['server']} stopped without a word after "
                                     f"{a['done']:,} done (its task process was killed?)"})
     fleets = [FleetFiles(d) for d in RunLayout(run).fleet_dirs()]
-    for marker in sorted(m for fleet in fleets for m in fleet.unhealthy_markers()):
+    logged = {(h["reason"], round(h["at"])) for h in _unhealthy(run)}
+    out += [{"at": h["at"], "kind": "server unhealthy", "text": h["reason"]} for h in _unhealthy(run)]
+    for marker in sorted(m for fleet in fleets for m in fleet.unhealthy_markers()):  # run folders before the log
         try:
             reason, at = _first_line(marker.read_text()), marker.stat().st_mtime
         except OSError:
             continue
-        out.append({"at": at, "kind": "server unhealthy", "text": reason})
+        if (reason, round(at)) not in logged:
+            out.append({"at": at, "kind": "server unhealthy", "text": reason})
     launches = [r.get("launched_at") for r in (_json(p) for f in fleets for p in f.server_specs()) if r]
     first_attempt = min((a["started_at"] for row in shard_rows for a in row["history"]), default=None)
     launches = [t for t in launches if t]
@@ -105,6 +109,25 @@ def incidents(run: Path, shard_rows: list[dict]) -> list[dict]:
         out.append({"at": min(launches), "kind": "relaunch",
                     "text": f"fleet relaunched ({len(launches)} servers) after shard work had started"})
     return sorted(out, key=lambda i: i["at"])
+
+
+def _short(server: str) -> str:
+    """'server 2 (GPU 2, 127.0.0.1:30002)' -> 'server 2'."""
+    return server.split(" (", 1)[0]
+
+
+def _mtime(path: Path) -> float | None:
+    try:
+        return path.stat().st_mtime
+    except OSError:
+        return None
+
+
+def _unhealthy(run: Path) -> list[dict]:
+    """Every server marked unhealthy in this run, relaunches included, each with its fleet dir's node."""
+    layout = RunLayout(run)
+    return [{**h, "node": d.name if d != layout.fleet_dir else ""}
+            for d in layout.fleet_dirs() for h in unhealthy_history(d)]
 
 
 def _completion_arrays(path: Path):
@@ -299,6 +322,12 @@ def fleet_report(run: Path, airflow_run: dict | None = None, now: float | None =
                                                                           for n in nodes) else None}
         smoke = {"passed": all(n["smoke_passed"] for n in nodes) if all(n["smoke_passed"] is not None
                                                                          for n in nodes) else None}
+    marked = _unhealthy(run)
+    for server in servers:  # a GPU that died stays marked after a relaunch, beside any later health check
+        index = _short(server["server"])
+        server["marked"] = [h for h in marked if h["node"] == server["node"] and f"server {h['server']}" == index]
+        checked = layout.node_report("health", server["node"]) if server["node"] else layout.report("health")
+        server["checked_at"] = _mtime(checked)
     events = incidents(run, shard_rows)
     by_server: dict[str, list] = {}
     for path in layout.result_files(COMPLETIONS):
