@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from dflash_regen import atomic
+from dflash_regen import atomic, sglang
 from dflash_regen.config import PlanSettings
 from dflash_regen.errors import PlanFailed
 from dflash_regen.layout import RunLayout, shard_of
@@ -35,9 +35,12 @@ TOOLS_TEMPLATE_TOKENS = 196
 TURN_FRAME_BYTES = 48
 TOOL_CALL_FRAME_BYTES = 64
 ARGUMENT_FRAME_BYTES = 32
-TOOLS_FRAME_BYTES = 1024 + 16  # + 16 per tool
+TOOLS_FRAME_BYTES = 1024 + 96  # + 96 per tool (the fields SGLang adds when it hands the tools to the template)
 HEADER_FRAME_BYTES = 32
 CHAT_TEMPLATE = Path(__file__).with_name("chat_template.jinja")
+# The server hands the tools to the template with fields of its own (sglang.Dialect.template_tools); planning runs
+# before the fleet's version is known, so it counts them as the versions that add the most do.
+TOOLS_AS = "0.5.16"
 
 
 def token_bound(messages: list[dict], tools: list[dict] | None) -> int:
@@ -50,7 +53,7 @@ def token_bound(messages: list[dict], tools: list[dict] | None) -> int:
         for call in m.get("tool_calls") or ():
             size += TOOL_CALL_FRAME_BYTES + ARGUMENT_FRAME_BYTES * _argument_count(call)
     if tools:
-        size += len(json.dumps(tools, ensure_ascii=False).encode()) + TOOLS_FRAME_BYTES + 16 * len(tools)
+        size += len(json.dumps(tools, ensure_ascii=False).encode()) + TOOLS_FRAME_BYTES + 96 * len(tools)
     return size
 
 
@@ -94,7 +97,8 @@ class TokenCounter:
         from dflash_regen.tokenize import _with_parsed_arguments
 
         try:
-            rendered, _ = render_jinja_template([_with_parsed_arguments(prompt.messages)], tools=prompt.tools,
+            rendered, _ = render_jinja_template([_with_parsed_arguments(prompt.messages)],
+                                                tools=sglang.Dialect(TOOLS_AS).template_tools(prompt.tools),
                                                 chat_template=self._template, add_generation_prompt=True,
                                                 enable_thinking=True)
         except Exception:  # noqa: BLE001 - a prompt the template refuses: never count it shorter than it can be
