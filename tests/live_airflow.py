@@ -30,6 +30,13 @@ DAG_ID = "dflash_regen"
 FINISHED = {"success", "failed"}
 
 
+def _running(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 def descendants(pid: int) -> list[int]:
     children: dict[int, list[int]] = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
@@ -107,12 +114,19 @@ class LiveAirflow:
         """SIGKILL a component and every process under it: task processes run in process groups of their
         own (the Task SDK's setpgid), so killing the component's group alone would leave them running."""
         proc = self.procs.pop(name)
-        for pid in [proc.pid, *descendants(proc.pid)]:
+        pids = [proc.pid, *descendants(proc.pid)]
+        for pid in pids:
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
         proc.wait(timeout=30)
+        # Every one of them gone before the caller looks at what they left: on a busy machine a killed task process
+        # can still finish the write it was in after os.kill returns.
+        deadline = time.monotonic() + 30
+        while any(_running(pid) for pid in pids):
+            assert time.monotonic() < deadline, f"processes of airflow {name} outlived SIGKILL by 30 s"
+            time.sleep(0.02)
 
     def wait_ready(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s

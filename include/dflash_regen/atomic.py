@@ -1,13 +1,47 @@
 """Atomic file writes: a temporary name in the same directory, then one rename.
 
-A reader (or a resumed task) sees the old file or the whole new one, never a half-written one.
+A reader (or a resumed task) sees the old file or the whole new one, never a half-written one. A write that
+meets a full disk removes its temporary file and raises `DiskFull`, whose first line names the path, the space
+it needs and the space free.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import shutil
+from contextlib import contextmanager
 from pathlib import Path
+
+from dflash_regen.errors import DiskFull
+
+
+def is_disk_full(exc: BaseException) -> bool:
+    """ENOSPC or a quota, from the OS or from pyarrow (whose IO errors carry the errno only in their text)."""
+    return isinstance(exc, OSError) and (exc.errno in (errno.ENOSPC, errno.EDQUOT) or
+                                         "No space left on device" in str(exc) or "Disk quota exceeded" in str(exc))
+
+
+def disk_full(path: Path, needed: int) -> DiskFull:
+    """The error for `path` (a file, or the folder being filled) needing about `needed` bytes."""
+    folder = path if path.is_dir() else path.parent
+    free = shutil.disk_usage(folder).free
+    return DiskFull(f"no space left on the disk of {folder} writing {path.name}: it needs about "
+                    f"{needed / 1e6:,.2f} MB, {free / 1e6:,.2f} MB are free. Free space there (or set Param "
+                    "output_root to a larger disk), then clear the task: it resumes from what is on disk, nothing "
+                    "half-written was kept")
+
+
+@contextmanager
+def _whole_or_absent(path: Path, tmp: Path, needed: int):
+    try:
+        yield
+    except BaseException as exc:
+        tmp.unlink(missing_ok=True)
+        if is_disk_full(exc):
+            raise disk_full(path, needed) from exc
+        raise
 
 
 def _tmp(path: Path) -> Path:
@@ -17,7 +51,9 @@ def _tmp(path: Path) -> Path:
 
 def write_text(path: Path, text: str) -> None:
     tmp = _tmp(path)
-    tmp.write_text(text)
+    data = text.encode()
+    with _whole_or_absent(path, tmp, len(data)):
+        tmp.write_bytes(data)
     os.replace(tmp, path)
 
 
@@ -34,5 +70,6 @@ def write_table(table, path: Path) -> None:
     import pyarrow.parquet as pq
 
     tmp = _tmp(path)
-    pq.write_table(table, tmp)
+    with _whole_or_absent(path, tmp, table.nbytes):  # its size in memory: about what parquet needs, at most
+        pq.write_table(table, tmp)
     os.replace(tmp, path)

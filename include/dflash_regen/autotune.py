@@ -99,14 +99,18 @@ def _first_line(exc: BaseException) -> str:
     return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
 
 
+def run_shape(cfg: RunConfig, run_prompts: int) -> capacity.RunShape:
+    """The run every candidate's prediction is for."""
+    return capacity.RunShape(prompts=run_prompts, servers=cfg.fleet.num_servers, shard_size=cfg.plan.shard_size,
+                             concurrency_per_server=cfg.generation.in_flight)
+
+
 class Tuner:
     """Runs the candidates one by one on the first GPU and keeps what each one measured or why it was skipped."""
 
     def __init__(self, cfg: RunConfig, model_path: Path, shards: list[dict], run_prompts: int):
         self.cfg, self.model_path, self.shards = cfg, model_path, shards
-        self.shape = capacity.RunShape(prompts=run_prompts, servers=cfg.fleet.num_servers,
-                                       shard_size=cfg.plan.shard_size,
-                                       concurrency_per_server=cfg.generation.in_flight)
+        self.shape = run_shape(cfg, run_prompts)
         self.lengths: dict | None = None  # the current settings' sample: every prediction uses it
 
     def candidate_cfg(self, cand: Candidate) -> RunConfig:
@@ -294,13 +298,17 @@ def applied_flags(reports_dir: Path) -> str | None:
     return report.get("applied_flags") if report and report.get("mode") == "apply" else None
 
 
-def fingerprint(cfg: RunConfig, candidate_s: float, extra: list[str]) -> str:
-    """What a stored report was measured for: a rerun with other settings measures again."""
-    f = cfg.fleet
-    params = {"server_flags": f.server_flags, "server_command": f.server_command,
-              "emulator_profile": f.emulator_profile, "emulator_faults": f.emulator_faults,
-              "max_tokens": cfg.sampling.max_tokens, "num_servers": f.num_servers}
-    return json.dumps({"params": params, "candidate_s": candidate_s, "extra": extra}, sort_keys=True, default=str)
+def fingerprint(cfg: RunConfig, run_prompts: int) -> str:
+    """What a stored report was measured for: the fleet's settings, the candidates and the tuning budget, the
+    sample (its size, seed and sampling: max_tokens and temperature change the curve), the train-length budget
+    and the run it predicts (its shape). A rerun with any other measures again."""
+    f, a, g = cfg.fleet, cfg.autotune, cfg.generation
+    what = {"server_flags": f.server_flags, "server_command": f.server_command, "emulator_profile": f.emulator_profile,
+            "emulator_faults": f.emulator_faults, "candidate_s": a.candidate_s, "budget_s": a.budget_s,
+            "extra": list(a.extra), "sampling": asdict(cfg.sampling), "seed": g.seed,
+            "calibration_prompts": cfg.capacity.calibration_prompts, "train_budget": g.train_budget,
+            "train_max_length": cfg.plan.train_max_length, "shape": asdict(run_shape(cfg, run_prompts))}
+    return json.dumps(what, sort_keys=True, default=str)
 
 
 # ---------------------------------------------------------------------------------------------------- CLI

@@ -247,7 +247,7 @@ def autotune_fleet(params: dict, run_id: str, model_path: str, shards: list[dict
     if not cfg.capacity.calibration_prompts:
         log.info("autotune skipped: it measures with calibration's sample and Param calibration_prompts is 0")
         return {"mode": settings.mode, "skipped": "calibration_prompts is 0"}
-    print_ = autotune.fingerprint(cfg, settings.candidate_s, list(settings.extra))
+    print_ = autotune.fingerprint(cfg, _accepted(shards))
     report = autotune.read_report(cfg.node_reports_dir)
     reused = bool(report and report.get("fingerprint") == print_ and report.get("candidates"))
     if reused:

@@ -16,6 +16,7 @@ and Airflow's retries (or a clear) try again.
     │   ├── PublishRefused           counts do not reconcile
     │   ├── LaunchRefused (FleetError)       port taken, flag unknown
     │   ├── RunLocked                another live run holds the output root
+    │   ├── DiskFull                 no space left where a result is written (atomic.py)
     │   ├── AuthError                a server refuses our API key
     │   └── TooManyPromptErrors      more refused prompts than Param max_generate_error_share
     ├── FleetError                   a server did not launch, get ready, or stop
@@ -75,6 +76,11 @@ class TokenizeError(NotRetryable, ValueError):
 
 class RunLocked(NotRetryable):
     """Another live run holds the output root."""
+
+
+class DiskFull(NotRetryable):
+    """No space left for a result: names the path, what it needs and what is free. A retry would meet the same
+    full disk; once space is freed, a clear resumes from what is on disk (every write is whole or absent)."""
 
 
 class RunNotFound(DflashError, LookupError):

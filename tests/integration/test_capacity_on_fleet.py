@@ -150,6 +150,10 @@ def test_a_rerun_of_calibrate_reuses_its_measurement_and_measures_again_when_a_s
     assert tokens_served() == served, "the rerun measured again"
     again = dag_tasks.calibrate({**launch.params, "calibration_prompts": 40}, "test_run", launched, plan["shards"])
     assert again["calibrated"] and tokens_served() > served, "a rerun with another sample size reused the old one"
+    served = tokens_served()  # other sampling, another curve (each Param: tests/unit/test_reuse_fingerprints.py)
+    dag_tasks.calibrate({**launch.params, "calibration_prompts": 40, "temperature": 0.9}, "test_run", launched,
+                        plan["shards"])
+    assert tokens_served() > served, "a rerun with another temperature reused the old measurement"
     # the prediction is for what is left to generate: the completion store supplied the rest (issue 24)
     assert capacity.read_report(cfg.node_reports_dir)["run"]["prompts"] == 40
     left = [{**s, "to_generate": 5} for s in plan["shards"]]

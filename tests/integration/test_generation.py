@@ -40,6 +40,14 @@ def run_shard(cfg, key, descriptor, **settings):
         return generation.generate_shard(paths, server, key, gen_settings, fleet_dir=cfg.fleet_dir), server
 
 
+def wait_dead(server, timeout_s=30):
+    """Until a SIGKILLed server is gone (a busy machine may take a moment to end it)."""
+    deadline = time.monotonic() + timeout_s
+    while is_alive(server):
+        assert time.monotonic() < deadline, f"{server.name} still alive {timeout_s} s after SIGKILL"
+        time.sleep(0.02)
+
+
 def ids_of(path):
     return pq.read_table(path, columns=["sample_id"]).column("sample_id").to_pylist()
 
@@ -74,7 +82,7 @@ def test_leases_are_exclusive_and_a_dead_server_is_not_leased(launch):
         first_hold.close()
         os.kill(second.pid, signal.SIGKILL)
         second_hold.close()
-    time.sleep(0.3)
+    wait_dead(second)
     with fleet.lease(cfg.fleet_dir, servers, 0, wait_s=1) as server:
         assert server.index == first.index
 
@@ -155,7 +163,7 @@ def test_a_shard_that_failed_on_a_server_prefers_another_one_after_a_relaunch(la
                 pass
     # ... unless server 0 is the only healthy one left.
     os.kill(relaunched[1].pid, signal.SIGKILL)
-    time.sleep(0.3)
+    wait_dead(relaunched[1])
     with fleet.lease(cfg.fleet_dir, relaunched, 0, wait_s=1, avoid=avoid) as again:
         assert again.index == 0
 
@@ -354,11 +362,27 @@ def test_a_prompt_only_one_server_fails_is_answered_by_the_other(launch, tmp_pat
     assert rows["poison"] == servers[1].name and rows["ok0"] == servers[0].name
 
 
+def test_a_cluster_of_poison_prompts_leaves_a_healthy_server_healthy(launch, tmp_path):
+    """Twelve poison prompts fill every slot three times over, with no success between: 36 failed requests in a
+    row, far past the failure limit (8 at 4 in flight). The server answers its probes, so it stays healthy: the
+    prompts are quarantined and the shard completes on it."""
+    cfg, servers, key = launch(num_servers=2, emulator_faults={"*": {"error_substring": "POISON"}})
+    rows = [{"id": f"poison{i}", "messages": [{"role": "user", "content": f"Call {{tool}} POISON {i}"}]}
+            for i in range(12)] + POISON_ROWS[:5]
+    shard = plan(cfg, tmp_path, rows=rows)["shards"][0]
+    result, server = run_shard(cfg, key, shard, in_flight=4, request_retries=2, max_error_share=0.8)
+    assert server.index == 0 and result["completed"] == 5 and result["quarantined"] == 12
+    reasons = {r["sample_id"]: r["reason"] for r in pq.read_table(cfg.layout.merged(FAILURES, 0)).to_pylist()}
+    assert reasons == {f"poison{i}": "http_500" for i in range(12)}
+    assert not cfg.layout.fleet.unhealthy_markers()
+
+
 def test_a_wrong_api_key_fails_the_shard_at_once_naming_the_setting(launch, tmp_path):
-    cfg, _, _ = launch(num_servers=1)
+    cfg, servers, _ = launch(num_servers=1)
     shard = plan(cfg, tmp_path, n=6, shard_size=6)["shards"][0]
-    started = time.monotonic()
     with pytest.raises(generation.AuthError, match="refused the API key with HTTP 401.*DFLASH_SGLANG_API_KEY"):
         run_shard(cfg, "not-the-key", shard)
-    assert time.monotonic() - started < 10  # not retried with backoff
+    # Not retried: the server saw each refused request once (6 prompts and the slots query), not once per retry.
+    refused = Path(servers[0].log_path).read_text().count('HTTP/1.1" 401')
+    assert 1 <= refused <= 7, refused
     assert not cfg.layout.parts(FAILURES, 0).exists()  # nothing quarantined

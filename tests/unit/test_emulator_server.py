@@ -409,20 +409,19 @@ def test_slots_cap_running_requests_and_extra_requests_queue_fifo(launch):
 
 
 def test_a_client_disconnect_frees_its_slot(launch):
-    emu = launch("--max-running-requests", "1", "--disable-radix-cache", profile={"decode_tokens_per_s": 300})
-    slow = {**PRIME, "max_tokens": 5000, "stream": True}
+    # A looping answer runs to max_tokens: the held request would keep the one slot for ~200 s, so a quick request
+    # answered within its (generous) timeout proves the disconnect freed it, however busy the machine is.
+    emu = launch("--max-running-requests", "1", "--disable-radix-cache", profile={"decode_tokens_per_s": 300},
+                 faults={"*": {"loop_substring": "prime"}})
+    slow = {**PRIME, "max_tokens": 60000, "stream": True}
     with emu.chat(slow, stream=True) as resp:
         next(resp.iter_lines())  # generating; the one slot is taken
-    started = time.monotonic()
-    quick = emu.chat({**PRIME, "max_tokens": 30}, timeout=10)
-    assert quick.status_code == 200 and time.monotonic() - started < 8  # the held slot would take ~16 s
+    assert emu.chat({**PRIME, "max_tokens": 30}, timeout=90).status_code == 200
     try:
-        emu.chat({**PRIME, "max_tokens": 5000}, timeout=0.3)  # non-streaming client gives up
+        emu.chat({**PRIME, "max_tokens": 60000}, timeout=0.3)  # non-streaming client gives up
     except requests.Timeout:
         pass
-    started = time.monotonic()
-    assert emu.chat({**PRIME, "max_tokens": 30}, timeout=10).status_code == 200
-    assert time.monotonic() - started < 8
+    assert emu.chat({**PRIME, "max_tokens": 30}, timeout=90).status_code == 200
 
 
 def test_decode_and_prefill_lines_are_logged_at_runtime(launch):
@@ -452,8 +451,7 @@ def test_health_fails_when_a_long_prefill_starves_the_scheduler_past_the_timeout
             took = time.monotonic() - started
             if status == 503 or time.monotonic() > deadline or pending.done():
                 break
-            assert took < 0.9, f"/health answered {status} after {took:.1f} s"
-        assert status == 503 and 0.9 <= took < 2.5, (status, took)
+        assert status == 503 and took >= 0.9, (status, took)  # it waited its 1 s for a token first
         assert pending.result().status_code == 200
     assert requests.get(emu.url + "/health", timeout=5).status_code == 200  # busy, not dead (sglang#22511)
     assert "Health check failed. Server couldn't get a response from detokenizer for last 1 seconds." in emu.log()

@@ -6,7 +6,8 @@ import pytest
 from dflash_regen.config import SamplingConfig
 from dflash_regen.errors import PlanFailed
 from dflash_regen.layout import RunLayout
-from dflash_regen.planning import PlanSettings, plan_shards, shard_label
+from dflash_regen.planning import PlanSettings, TokenCounter, plan_shards, shard_label, token_bound
+from dflash_regen.prompts import Prompt, parse_row
 
 SAMPLING = SamplingConfig(max_tokens=1000, temperature=0.6, top_p=0.95, top_k=20, min_p=0.0, presence_penalty=0.0,
                           enable_thinking=True)
@@ -174,3 +175,67 @@ def test_prompts_past_train_max_length_are_counted_quarantined_and_bounded(tmp_p
     with pytest.raises(PlanFailed, match=r"^1 of 20 prompts \(5.0%\) are longer than Param train_max_length=4,096 "
                                          r"tokens by themselves, above Param max_overlong_share=1.0%"):
         plan_shards(src, RunLayout(tmp_path / "again"), strict)
+
+
+WRITE_FILE = {"type": "function", "function": {"name": "write_file", "description": "Write a file.", "parameters": {
+    "type": "object", "properties": {"path": {"type": "string"}, "content": {"type": "string"}},
+    "required": ["path", "content"]}}}
+
+
+def tool_call_history(content: str) -> dict:
+    """A prompt whose length is almost all in one tool call's arguments, in the history."""
+    call = {"id": "c1", "type": "function",
+            "function": {"name": "write_file", "arguments": json.dumps({"path": "big.py", "content": content})}}
+    return {"id": "in-a-tool-call", "tools": [WRITE_FILE], "messages": [
+        {"role": "user", "content": "Write the table to big.py."},
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": "written"},
+        {"role": "user", "content": "Now explain it."}]}
+
+
+def test_a_prompt_long_only_in_its_tool_call_arguments_is_caught(tmp_path):
+    # Issue 26: a 37,410-token prompt, almost all in one tool call, passed train_max_length 4,096.
+    long = " ".join(f"row{i}" for i in range(12000))  # ~36,000 tokens inside the arguments
+    rows = [tool_call_history(long)] + [user(f"q{i}") for i in range(9)]
+    src = write_rows(tmp_path / "p.jsonl", rows)
+    settings = PlanSettings(shard_size=10, sampling=SAMPLING, context_length=262144, max_bad_share=0.5,
+                            train_max_length=4096, max_overlong_share=0.0)
+    with pytest.raises(PlanFailed, match=r"^1 of 10 prompts \(10.0%\) are longer than Param train_max_length=4,096"):
+        plan_shards(src, RunLayout(tmp_path), settings)
+    (row,) = pq.read_table(RunLayout(tmp_path).planning_quarantine).to_pylist()
+    assert row["sample_id"] == "in-a-tool-call" and row["reason"] == "over_train_max_length"
+    assert int(row["detail"].split()[0].replace(",", "")) > 30_000
+
+
+def test_the_tools_preamble_counts_toward_the_length(tmp_path):
+    # Text that is one token per byte, with a tool: the template's ~200-token tools preamble tips it over.
+    row = user("z\n" * 1500, tools=[{"type": "function", "function": {"name": "f"}}], id="preamble")
+    prompt = parse_row("x", row)
+    tokens = TokenCounter().count(prompt)
+    assert prompt.text_bytes + 64 < tokens  # what the 64-byte slack once missed
+    src = write_rows(tmp_path / "p.jsonl", [row, user("q")])
+    settings = PlanSettings(shard_size=10, sampling=SAMPLING, context_length=262144, max_bad_share=0.9,
+                            train_max_length=tokens, max_overlong_share=1.0)
+    plan = plan_shards(src, RunLayout(tmp_path), settings)
+    assert plan["quarantined_by_reason"] == {"over_train_max_length": 1}
+
+
+def test_the_length_bound_is_never_below_the_templates_count(tmp_path):
+    """Planning counts only prompts whose cheap bound reaches the limit: the bound must hold for every shape."""
+    from dflash_regen.demo_prompts import write_demo_prompts
+
+    src = write_demo_prompts(tmp_path / "demo.jsonl", 200)
+    prompts = [parse_row("x", line) for line in src.read_text().splitlines()]
+    args = {f"a{i}": i for i in range(300)}  # many tiny arguments: the template's framing outweighs their JSON
+    many = tool_call_history("x")
+    many["messages"][1]["tool_calls"][0]["function"]["arguments"] = json.dumps(args)
+    tools = [{**WRITE_FILE, "function": {**WRITE_FILE["function"], "name": f"t{i}"}} for i in range(40)]
+    digits = " ".join(str(i % 10) for i in range(3000))  # one token per byte, nothing for JSON to escape
+    prompts += [parse_row("x", r) for r in (many, user("z\n" * 500, tools=tools), user("😀\n" * 300),
+                                            user(digits, tools=[{"type": "function", "function": {"name": "f"}}]),
+                                            tool_call_history('<>&"\\\n' * 200))]
+    counter = TokenCounter()
+    assert sum(1 for p in prompts if isinstance(p, Prompt) and p.tools) > 20
+    for p in prompts:
+        if isinstance(p, Prompt):
+            assert token_bound(p.messages, p.tools) >= counter.count(p), p.messages
