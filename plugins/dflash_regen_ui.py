@@ -15,7 +15,8 @@ import json
 from datetime import datetime
 from urllib.parse import quote
 
-from airflow.api_fastapi.core_api.security import get_user
+from airflow.api_fastapi.auth.managers.models.resource_details import DagAccessEntity
+from airflow.api_fastapi.core_api.security import get_user, requires_access_dag
 from airflow.models.dagrun import DagRun
 from airflow.models.log import Log
 from airflow.models.taskinstance import TaskInstance
@@ -115,7 +116,10 @@ RUNS_ICON = _icon("<path d='M8 6h13M8 12h13M8 18h13M3 6h.01M3 12h.01M3 18h.01'/>
 
 class DflashRegenUI(AirflowPlugin):
     name = "dflash_regen_ui"
-    fastapi_apps = [{"app": build_app(deployment().report_roots(), get_user, AirflowRuns()), "url_prefix": PREFIX,
+    # Draining a run changes it: the user needs Airflow's permission to edit this DAG's runs.
+    may_drain = requires_access_dag("PUT", DagAccessEntity.RUN, param_dag_id=DAG_ID)
+    fastapi_apps = [{"app": build_app(deployment().report_roots(), get_user, AirflowRuns(), may_drain),
+                     "url_prefix": PREFIX,
                      "name": "dflash-regen reports"}]
     # With url_route the UI shows the page inside Airflow (an iframe); {RUN_ID} is filled in on run pages.
     external_views = [

@@ -42,7 +42,7 @@ from dflash_regen import (
 from dflash_regen.config import DEMO_MODEL, DEMO_PROMPTS, RunConfig
 from dflash_regen.demo_model import write_demo_model
 from dflash_regen.demo_prompts import write_demo_prompts
-from dflash_regen.errors import GateFailed, NotRetryable, PublishRefused
+from dflash_regen.errors import Drained, GateFailed, NotRetryable, PublishRefused
 from dflash_regen.layout import COMPLETIONS, FAILURES, RunLayout
 from dflash_regen.nodes import LEFT_OUT, READY
 
@@ -211,6 +211,7 @@ def _run_is_active(run_id: str) -> bool:
 def launch_fleet(params: dict, run_id: str, model_path: str, node: dict | None = None) -> dict:
     cfg = _cfg(params, run_id, node)
     runlock.reap_orphans(cfg.output_root, cfg.run_id)  # servers of runs that died before their teardown
+    cfg.layout.drain_request.unlink(missing_ok=True)  # a (re)launch, after a drain the clear that resumes the run
     servers = fleet.launch_fleet(cfg.fleet, Path(model_path), cfg.fleet_dir)
     return {"fleet_dir": str(cfg.fleet_dir), "servers": [{"index": s.index, "url": s.url, "gpu": s.gpu,
                                                             "pid": s.pid, "log": s.log_path} for s in servers]}
@@ -382,7 +383,10 @@ def plan_shards(params: dict, run_id: str) -> list[dict]:
 
 @fail_fast
 def generate(params: dict, run_id: str, shard: dict, node: dict | None = None) -> dict:
-    return generation.run_shard(_cfg(params, run_id, node), shard)
+    try:
+        return generation.run_shard(_cfg(params, run_id, node), shard)
+    except Drained as exc:  # the operator's drain: not a failure, nothing to retry
+        raise AirflowSkipException(str(exc)) from exc
 
 
 @fail_fast
@@ -392,6 +396,9 @@ def tokenize_shard(params: dict, run_id: str, generated: dict | None, node: dict
     cfg = _cfg(params, run_id, node)  # the tokenizer is in the node's staged model dir
     index = generated["shard"] if generated else shard["shard"]
     path = Path(generated["path"]) if generated else cfg.layout.merged(COMPLETIONS, index)
+    if not path.is_file() and (request := generation.drain_request(cfg.layout.drain_request)):
+        raise AirflowSkipException(f"shard {index} is not tokenized: the run was drained by {request['by']} before "
+                                   "its generation finished")
     if not path.is_file():
         raise NotRetryable(f"shard {index} has no completions at {path} and its generate did not run (skipped); "
                            "clear plan_shards with Downstream to plan and generate the run again")
@@ -438,6 +445,10 @@ def check_published(params: dict, run_id: str) -> dict:
     """The run's verdict: a run that published nothing is failed, whatever skipped or was marked."""
     cfg = RunConfig.from_params(params, run_id)
     manifest = cfg.publish_dir / "manifest.json"
+    if not manifest.is_file() and (request := generation.drain_request(cfg.layout.drain_request)):
+        raise PublishRefused(f"run {cfg.run_id} was drained by {request['by']} and published nothing: its "
+                             "checkpoints are kept; clear the skipped generate tasks (with Downstream), or trigger a "
+                             "new run (Param reuse sends only what is left), to finish it")
     if not manifest.is_file():
         raise PublishRefused(f"run {cfg.run_id} published nothing ({manifest} is missing): the tasks that failed or "
                              "were skipped before publish say why; clear them (with Downstream) to finish the run")

@@ -158,6 +158,11 @@ class TooManyPromptErrors(NotRetryable):
     """More of a shard's prompts were refused by the servers than Param max_generate_error_share allows."""
 
 
+class Drained(DflashError):
+    """The operator drained the run: the shard finished its in-flight requests, checkpointed them and stopped;
+    its task is skipped, and a clear (or a new run, which reuses its completions) sends the rest."""
+
+
 class ShardFailed(DflashError):
     """A shard stopped on its server; its checkpointed results are kept and a retry sends only the rest."""
 

@@ -38,6 +38,7 @@ from dflash_regen.errors import (
     AuthError,
     ConfigError,
     DflashError,
+    Drained,
     NotRetryable,
     PromptError,
     ServerUnhealthy,
@@ -62,6 +63,7 @@ from dflash_regen.prompts import Prompt
 from dflash_regen.schemas import COMPLETION, QUARANTINE
 
 log = logging.getLogger(__name__)
+HEARTBEAT_S = 5.0  # a running shard's status is rewritten at least this often (a few hundred bytes)
 
 
 # ---------------------------------------------------------------------------------- where a shard failed
@@ -117,11 +119,38 @@ class ShardPaths:
     output: Path  # completions/shard-XXXXX.parquet
     failures_output: Path  # failures/shard-XXXXX.parquet
     status: Path | None = None  # status/shard-XXXXX.json (shard_status)
+    drain: Path | None = None  # the run's drain request (layout.drain_request)
 
     @classmethod
     def of(cls, layout: RunLayout, shard: int, prompts: Path) -> ShardPaths:
         return cls(shard, prompts, layout.parts(COMPLETIONS, shard), layout.parts(FAILURES, shard),
-                   layout.merged(COMPLETIONS, shard), layout.merged(FAILURES, shard), layout.status(shard))
+                   layout.merged(COMPLETIONS, shard), layout.merged(FAILURES, shard), layout.status(shard),
+                   layout.drain_request)
+
+
+# ------------------------------------------------------------------------------------------------ draining
+def request_drain(layout: RunLayout, by: str) -> dict:
+    """Ask the run to drain: running shards finish their in-flight requests, checkpoint and stop, shards not
+    started skip, and the fleet's teardown then stops the servers. A relaunch of the fleet (a clear) cancels it."""
+    request = {"by": by, "at": time.time()}
+    atomic.write_json(layout.drain_request, request)
+    log.info("drain requested by %s", by)
+    return request
+
+
+def drain_request(path: Path | None) -> dict | None:
+    """{by, at} while the run is asked to drain, else None."""
+    try:
+        return json.loads(path.read_text()) if path else None
+    except (OSError, ValueError):
+        return None
+
+
+def _drained(shard: int, request: dict, kept: int, total: int) -> Drained:
+    when = time.strftime("%H:%M:%S", time.localtime(request.get("at", 0)))
+    return Drained(f"shard {shard} drained (asked by {request.get('by', 'the operator')} at {when}): {kept:,} of "
+                   f"{total:,} samples are kept; a clear of this shard, or a new run (it reuses them), sends the "
+                   f"other {total - kept:,}")
 
 
 def _server_facts(server: Server, api_key: str) -> tuple[int, str | None, int]:
@@ -184,7 +213,8 @@ class _Attempt:
         self.failures: list[dict] = []
         self.stats = {"completed": 0, "output_tokens": 0, "reasoning_tokens": 0, "quarantined": 0}
         self.started = started  # when the task began (reading the shard and asking the server count too)
-        self.last_flush = self.last_log = time.monotonic()
+        self.last_flush = self.last_log = self.last_beat = time.monotonic()
+        self.drain: dict | None = None  # the drain request, once seen
 
     @property
     def kept(self) -> int:
@@ -196,7 +226,19 @@ class _Attempt:
         self.rows.clear()
         self.failures.clear()
         self.last_flush = time.monotonic()
-        if self.status:  # the heartbeat the Fleet page counts in-flight progress from
+        self.heartbeat()
+
+    def draining(self) -> bool:
+        """Whether the operator asked the run to drain (a stat a second; once asked, it stays so)."""
+        if self.drain is None and self.paths.drain is not None:
+            self.drain = drain_request(self.paths.drain)
+        return self.drain is not None
+
+    def heartbeat(self) -> None:
+        """The status the Fleet page counts in-flight progress from: at each checkpoint, and every HEARTBEAT_S
+        between them (a checkpoint may be 30 s or 50 answers away; a page should not read 0 done that long)."""
+        self.last_beat = time.monotonic()
+        if self.status:
             self.status.update(self.done_before + self.stats["completed"],
                                self.failed_before + self.stats["quarantined"], self.stats["output_tokens"])
 
@@ -281,10 +323,13 @@ def _send_all(gen: Generator, todo: list[dict], attempt: _Attempt, settings: Gen
                 if len(pending_rows) + len(pending_failures) >= settings.checkpoint_every or \
                         (now - attempt.last_flush >= settings.checkpoint_s and (pending_rows or pending_failures)):
                     flush()
+                elif now - attempt.last_beat >= HEARTBEAT_S:
+                    attempt.heartbeat()
                 if now - attempt.last_log >= settings.progress_s:
                     attempt.last_log = now
                     progress()
-                if error is None:  # after an error, the requests in flight end (gen.stop) and nothing new starts
+                if error is None and not attempt.draining():  # after an error or a drain request, the
+                    # requests in flight end and nothing new starts
                     futures.update((pool.submit(gen.generate, row), row) for row in islice(queued, len(finished)))
         finally:
             flush()  # keep every finished result, whatever happens next
@@ -336,6 +381,11 @@ def generate_shard(paths: ShardPaths, server: Server, api_key: str, settings: Ge
         # from None: the message carries the cause; a chain of requests/urllib3 errors would bury it.
         raise _shard_failed(paths.shard, server, error, fleet_dir, api_key, attempt.kept, table.num_rows,
                             status) from None
+    if attempt.drain is not None and attempt.kept < table.num_rows:
+        drained = _drained(paths.shard, attempt.drain, attempt.kept, table.num_rows)
+        if status:
+            status.finish("drained", drained)
+        raise drained
     attempt.progress()
     return _merge(paths, server, attempt, settings)
 
@@ -359,9 +409,12 @@ def run_shard(cfg: RunConfig, shard: dict) -> dict:
     """The generate task for one shard descriptor (`plan_shards`' dict): lease a server (not one this shard failed
     on while another is healthy), complete the shard there at the capacity plan's rate and, with Param
     apply_advised_concurrency, its advised concurrency; returns counts for XCom."""
+    paths = ShardPaths.of(cfg.layout, shard["shard"], Path(shard["path"]))
+    if (request := drain_request(paths.drain)) and _already_complete(paths, cfg.generation) is None:
+        kept = len(read_done(paths.parts, paths.output)) + len(read_done(paths.failures, paths.failures_output))
+        raise _drained(shard["shard"], request, kept, shard["prompts"])  # not started: no server leased
     servers = load_servers(cfg.fleet_dir)
     key = read_api_key(cfg.fleet_dir)
-    paths = ShardPaths.of(cfg.layout, shard["shard"], Path(shard["path"]))
     settings, expected_rps = cfg.generation, None
     planned = capacity.read_report(cfg.node_reports_dir)
     if planned:

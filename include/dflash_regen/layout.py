@@ -10,6 +10,7 @@
       completions/      shard-XXXXX.parquet (merged), shard-XXXXX/part-*.parquet    (schemas.COMPLETION)
       failures/         plan.parquet, shard-XXXXX.parquet, shard-XXXXX/part-*.parquet (schemas.QUARANTINE)
       status/           shard-XXXXX.json (shard_status)
+      drain.json        the operator's drain request (generation.request_drain)
       tokenized/        shard-XXXXX.parquet, summary-XXXXX.parquet, conversations-XXXXX.jsonl
       quality/          quarantine.parquet                                          (schemas.GATE_QUARANTINE)
       reports/          <name>.json, data_docs/, nodes/<node>/<name>.json
@@ -213,6 +214,11 @@ class RunLayout:
     @property
     def status_dir(self) -> Path:
         return self.run_dir / "status"
+
+    @property
+    def drain_request(self) -> Path:
+        """drain.json: who asked the run to drain, and when (`generation.request_drain`); a relaunch removes it."""
+        return self.run_dir / "drain.json"
 
     def status(self, shard: int) -> Path:
         """status/shard-XXXXX.json: the shard's heartbeat and attempts (shard_status)."""

@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable, Sequence
 from html import escape
 from pathlib import Path
-from typing import Protocol
+from typing import Annotated, Any, Protocol
 from urllib.parse import quote
 
 import jinja2
@@ -29,7 +29,7 @@ from fastapi import Depends, FastAPI, HTTPException
 from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, RedirectResponse
 from markupsafe import Markup
 
-from dflash_regen import charts, run_report
+from dflash_regen import charts, generation, run_report
 from dflash_regen.layout import RunLayout
 
 TEMPLATES = jinja2.Environment(loader=jinja2.FileSystemLoader(Path(__file__).parent / "templates"),
@@ -145,10 +145,13 @@ def _data_docs_pages(docs: Path) -> list[tuple[str, str]]:
     return out
 
 
-def build_app(roots: Path | Sequence[Path], auth: Callable, airflow: AirflowView | None = None) -> FastAPI:
-    """All routes require `auth` (a FastAPI dependency that raises 401/403 for an anonymous request). `roots`:
-    the output roots whose runs may be shown, the default one first; a run Airflow knows is read under the root
-    its conf named, and refused when that root is not one of them."""
+def build_app(roots: Path | Sequence[Path], auth: Callable, airflow: AirflowView | None = None,
+              may_drain: Callable | None = None) -> FastAPI:
+    """All routes require `auth` (a FastAPI dependency that raises 401/403 for an anonymous request and returns
+    the user). `roots`: the output roots whose runs may be shown, the default one first; a run Airflow knows is read
+    under the root its conf named, and refused when that root is not one of them. `may_drain`: a dependency that
+    raises 403 unless the user may change the DAG's runs (the plugin passes Airflow's own check); without it no
+    run can be drained from the pages."""
     roots = [Path(roots)] if isinstance(roots, str | Path) else [Path(r) for r in roots]
     app = FastAPI(title="dflash-regen reports", dependencies=[Depends(auth)], docs_url=None, redoc_url=None,
                   openapi_url=None)
@@ -221,11 +224,25 @@ def build_app(roots: Path | Sequence[Path], auth: Callable, airflow: AirflowView
         chart = charts.time_series(servers, bin_s=tp["bin_s"], x_title="time since the first answer (pauses cut out)",
                                    y_title="output tok/s", ticks=tp["ticks"], breaks=tp["breaks"], marks=tp["marks"])
         return _page("fleet.html", run_id=run_id, r=report, state=report["run_state"], chart=chart,
-                     page="fleet")
+                     page="fleet", slow_share=run_report.SLOW_SHARE, may_drain=may_drain is not None)
 
     @app.get("/runs/{run_id}/fleet", response_class=HTMLResponse)
     def fleet(run_id: str):
         return tab(run_id, "fleet", fleet_page)
+
+    def refuse_drain():
+        raise HTTPException(403, "draining from these pages needs the api-server's permission check "
+                                 "(plugins/dflash_regen_ui.py passes it)")
+
+    @app.post("/runs/{run_id}/drain", dependencies=[Depends(may_drain or refuse_drain)])
+    def drain(run_id: str, user: Annotated[Any, Depends(auth)]):
+        run, known = run_dir(run_id)
+        if known is None or known.get("state") not in run_report.RUNNING_STATES:
+            raise HTTPException(409, f"run {run_id!r} is {(known or {}).get('state', 'unknown to Airflow')}: only a "
+                                     "running run can be drained")
+        name = user.get_name() if hasattr(user, "get_name") else str(user or "an unnamed user")
+        generation.request_drain(RunLayout(run), name)
+        return RedirectResponse("fleet", status_code=303)
 
     @app.get("/runs/{run_id}/data-docs")
     def data_docs_root(run_id: str):

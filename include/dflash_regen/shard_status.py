@@ -45,7 +45,7 @@ class ShardStatus:
         self._write()
 
     def finish(self, state: str, error: BaseException | None = None) -> None:
-        """`state` is "done" or "failed"; a failure keeps the first line of its error."""
+        """`state` is "done", "failed" or "drained"; a failure or a drain keeps the first line of its error."""
         now = time.time()
         self.data["state"] = state
         self.attempt.update(state=state, updated_at=now, ended_at=now)

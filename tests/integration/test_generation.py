@@ -15,10 +15,12 @@ import pytest
 
 from dflash_regen import checkpoints, fleet, generation, generator, schemas
 from dflash_regen.demo_prompts import write_demo_prompts
-from dflash_regen.errors import NoServerFree
+from dflash_regen.errors import Drained, NoServerFree
 from dflash_regen.fleet import is_alive, load_servers
 from dflash_regen.layout import COMPLETIONS, FAILURES, shard_sources
 from dflash_regen.planning import plan_shards
+
+CHAT = '"POST /v1/chat/completions HTTP/1.1" 200'  # a chat request in a server's access log
 
 
 def plan(cfg, tmp_path, n=40, shard_size=40, rows=None):
@@ -386,3 +388,42 @@ def test_a_wrong_api_key_fails_the_shard_at_once_naming_the_setting(launch, tmp_
     refused = Path(servers[0].log_path).read_text().count('HTTP/1.1" 401')
     assert 1 <= refused <= 7, refused
     assert not cfg.layout.parts(FAILURES, 0).exists()  # nothing quarantined
+
+
+def test_a_drain_lets_the_requests_in_flight_finish_keeps_them_and_sends_nothing_more(launch, tmp_path):
+    """The operator drains the run: the shard's requests in flight are answered and checkpointed, no new one is
+    sent, a shard not started leases no server, and a resume sends exactly the rest."""
+    cfg, servers, key = launch(num_servers=1, emulator_profile={"decode_tokens_per_s": 600, "startup_s": 0.1})
+    shard = plan(cfg, tmp_path, n=60, shard_size=60)["shards"][0]
+    parts = cfg.layout.parts(COMPLETIONS, 0)
+
+    def drain_once_results_are_checkpointed():
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not list(parts.glob("part-*.parquet")):
+            time.sleep(0.02)
+        generation.request_drain(cfg.layout, "alice")
+
+    drainer = threading.Thread(target=drain_once_results_are_checkpointed)
+    drainer.start()
+    with pytest.raises(Drained) as drained:
+        run_shard(cfg, key, shard, checkpoint_every=2, in_flight=4)
+    drainer.join()
+    kept = checkpoints.read_done(parts, cfg.layout.merged(COMPLETIONS, 0))
+    sent = Path(servers[0].log_path).read_text().count(CHAT)
+    assert 0 < len(kept) < 60
+    assert sent == len(kept)  # every request sent was answered and kept; none was sent after the drain's answers
+    first = str(drained.value).splitlines()[0]
+    assert first.startswith("shard 0 drained (asked by alice at ") and \
+        first.endswith(f"{len(kept)} of 60 samples are kept; a clear of this shard, or a new run (it reuses them), "
+                       f"sends the other {60 - len(kept)}"), first
+    assert json.loads(cfg.layout.status(0).read_text())["attempts"][-1]["state"] == "drained"
+
+    with pytest.raises(Drained):  # a shard whose task starts after the drain leases no server
+        generation.run_shard(cfg, shard)
+    assert Path(servers[0].log_path).read_text().count(CHAT) == sent
+
+    cfg.layout.drain_request.unlink()  # what the relaunch of a clear does
+    result, _ = run_shard(cfg, key, shard)
+    assert result["generated_now"] == 60 - len(kept)
+    got = ids_of(result["path"])
+    assert sorted(got) == sorted(ids_of(shard["path"])) and len(got) == len(set(got))

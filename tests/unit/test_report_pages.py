@@ -493,3 +493,28 @@ def test_a_relaunch_keeps_the_history_the_dead_gpu_its_incident_and_each_shards_
 def server_row(html: str, server: str) -> str:
     table = html.split('id="servers"', 1)[1].split("</table>", 1)[0]
     return next(r for r in table.split("<tr>") if f'title="{server} (' in r)
+
+
+def test_the_rate_and_eta_come_from_checkpointed_answers_and_hold_steady(root):
+    """The rate is this run's answers on disk over the time the fleet worked: it does not drop when a failed
+    attempt's in-memory count vanishes, ignores answers another run made (the store's), names the slow server,
+    gives a clock time, and a finished run keeps its final rate as time passes."""
+    run = RunLayout.of(root, FOLDER).run_dir
+    RunLayout(run).report("plan").write_text(json.dumps({"rows": 400, "accepted": 400}))
+    started = 1000.0
+    answers = {"server 0 (GPU 0)": (np.arange(1001.0, 1101.0), np.full(100, 200.0)),  # 1 answer/s, 200 tok/s
+               "server 1 (GPU 1)": (np.arange(1001.0, 1101.0, 2.0), np.full(50, 200.0)),  # half as fast
+               "server 2 (GPU 2)": (np.array([100.0, 101.0]), np.array([5.0, 5.0]))}  # before this run started
+    rows = [{"shard": 0, "state": "running", "done": 160, "history": [{"started_at": started, "done_before": 0}]}]
+    running = {"state": "running"}
+    p = run_report.progress(run, rows, running, None, answers, now=1100.0)
+    assert p["rate_per_s"] == pytest.approx(1.5) and p["work_s"] == pytest.approx(100.0)
+    assert p["eta_s"] == pytest.approx(240 / 1.5) and p["eta_at"] == pytest.approx(1100.0 + 160.0)
+    assert [s["server"] for s in p["servers"] if s["slow"]] == ["server 1 (GPU 1)"]
+    assert "server 2 (GPU 2)" not in [s["server"] for s in p["servers"]]
+    # A failed attempt loses 60 in-memory results: done drops, the rate (answers on disk) does not.
+    rows[0]["done"] = 100
+    assert run_report.progress(run, rows, running, None, answers, now=1100.0)["rate_per_s"] == pytest.approx(1.5)
+    # Finished: the rate is over the time it worked, not over the time since.
+    done = {"state": "success"}
+    assert run_report.progress(run, rows, done, None, answers, now=9999.0)["rate_per_s"] == pytest.approx(1.5)

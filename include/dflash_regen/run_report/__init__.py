@@ -17,6 +17,7 @@ from dflash_regen.errors import RunNotFound
 from dflash_regen.run_report.fleet_page import (
     ADVICE_MIN_GAIN,
     SHARDS_LISTED,
+    SLOW_SHARE,
     THROUGHPUT_POINTS,
     capacity_advice,
     fleet_report,
@@ -37,7 +38,7 @@ from dflash_regen.run_report.quality_page import (
 from dflash_regen.run_report.runs import PIPELINE, RUNNING_STATES, list_runs, resolve_run, run_root, run_state
 
 __all__ = [
-    "ADVICE_MIN_GAIN", "HISTOGRAM_BINS", "PIPELINE", "RUNNING_STATES", "RunNotFound", "SHARDS_LISTED",
+    "ADVICE_MIN_GAIN", "HISTOGRAM_BINS", "PIPELINE", "RUNNING_STATES", "RunNotFound", "SHARDS_LISTED", "SLOW_SHARE",
     "THROUGHPUT_POINTS", "capacity_advice", "fleet_report", "histogram", "incidents", "kv_headroom", "list_runs",
     "nodes_report", "progress", "quality_report", "quarantine_by_stage", "resolve_run", "run_root", "run_state",
     "shards", "threshold", "throughput_series",
