@@ -63,7 +63,9 @@ PARAMS = {name: Param(**spec) for name, spec in trigger_form(DEPLOYMENT, nodes=b
     doc_md=__doc__,
     tags=["dflash", "sglang", "data"],
     params=PARAMS,
-    default_args={"retries": 1, "retry_delay": dt.timedelta(seconds=10), **NODE_QUEUE},
+    # The callbacks repeat the error's first line at the end of the task log, where it opens.
+    default_args={"retries": 1, "retry_delay": dt.timedelta(seconds=10), "on_failure_callback": dag_tasks.log_reason,
+                  "on_retry_callback": dag_tasks.log_reason, **NODE_QUEUE},
 )
 def dflash_regen():
     # After planning: when the completion store holds every prompt's completion it skips (and the fleet with it).

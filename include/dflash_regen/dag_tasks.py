@@ -63,6 +63,15 @@ def fail_fast(fn):
     return wrapper
 
 
+def log_reason(context) -> None:
+    """A failed or retried task's callback: its error's first line once more, at the end of the task log, where
+    the log opens (the traceback is above it)."""
+    error = context.get("exception")
+    if error is not None:
+        first = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        log.error("%s failed: %s", context["ti"].task_id if context.get("ti") else "the task", first)
+
+
 def _cfg(params: dict, run_id: str, node: dict | None = None) -> RunConfig:
     """The run's config, as one node of several sees it (its GPUs, ports, staging dir, fleet dir) when given."""
     if not node:

@@ -257,3 +257,20 @@ def test_a_setup_error_is_one_exception_whose_first_line_is_the_message(run_para
     assert info.value.__cause__ is None and info.value.__suppress_context__
     frames = [f.name for f in traceback.extract_tb(info.value.__traceback__)]
     assert "list_source" in frames  # where the library raised it
+
+
+def test_a_failed_or_retried_tasks_log_ends_with_its_errors_first_line(dag, caplog):
+    """Airflow opens a task log at its end, on the traceback: every task's callbacks repeat the one-line reason
+    there."""
+    from airflow.sdk.exceptions import AirflowFailException
+
+    from dflash_regen import dag_tasks
+
+    for t in dag.tasks:
+        assert dag_tasks.log_reason in (t.on_failure_callback or []), t.task_id
+        assert dag_tasks.log_reason in (t.on_retry_callback or []), t.task_id
+    error = AirflowFailException("GateFailed: server 3 has 120,000 KV tokens, below 1,000,000\ncause: ...")
+    with caplog.at_level("ERROR"):
+        dag_tasks.log_reason({"exception": error, "ti": type("TI", (), {"task_id": "health_check"})()})
+    assert caplog.records[-1].getMessage() == ("health_check failed: GateFailed: server 3 has 120,000 KV tokens, "
+                                               "below 1,000,000")

@@ -518,3 +518,40 @@ def test_the_rate_and_eta_come_from_checkpointed_answers_and_hold_steady(root):
     # Finished: the rate is over the time it worked, not over the time since.
     done = {"state": "success"}
     assert run_report.progress(run, rows, done, None, answers, now=9999.0)["rate_per_s"] == pytest.approx(1.5)
+
+
+def test_a_user_allowed_to_change_runs_drains_a_running_run_from_the_fleet_page(root):
+    class User:
+        def get_name(self):
+            return "alice"
+
+    def signed_in(authorization: str | None = Header(None)):
+        require_token(authorization)
+        return User()
+
+    refused = []
+
+    def may_change_runs(authorization: str | None = Header(None)):
+        if refused:
+            raise HTTPException(403, "not allowed")
+
+    def client(state, may_drain=may_change_runs):
+        return TestClient(build_app(root, signed_in, Airflow(state), may_drain),
+                          headers={"Authorization": "Bearer good"}, follow_redirects=False)
+
+    running = client("running")
+    assert 'id="drain"' in running.get(f"/runs/{RUN}/fleet").text
+    refused.append(True)
+    assert running.post(f"/runs/{RUN}/drain").status_code == 403  # Airflow's own permission check says no
+    refused.clear()
+    assert client("success").post(f"/runs/{RUN}/drain").status_code == 409  # nothing to drain
+    assert not RunLayout.of(root, FOLDER).drain_request.exists()
+    without = client("running", may_drain=None)
+    assert 'id="drain"' not in without.get(f"/runs/{RUN}/fleet").text
+    assert without.post(f"/runs/{RUN}/drain").status_code == 403
+
+    answer = running.post(f"/runs/{RUN}/drain")
+    assert answer.status_code == 303 and answer.headers["location"] == "fleet"
+    assert json.loads(RunLayout.of(root, FOLDER).drain_request.read_text())["by"] == "alice"
+    page = running.get(f"/runs/{RUN}/fleet").text
+    assert "<b>Draining</b>, asked by <b>alice</b>" in page and 'id="drain"' not in page
