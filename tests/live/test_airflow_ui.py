@@ -290,7 +290,18 @@ def test_user_triggers_from_the_form_a_rest_client_and_the_user_each_clear_one_f
     assert "shard 2 failed on server" in incidents and "shard 2 retried on server" in incidents, incidents
     assert fleet.locator("svg.chart g.mark").count() == fleet.locator("#incidents li").count()
     assert fleet.locator("#shards tr").nth(3).locator("td").nth(4).inner_text() == "2"  # shard 2: two attempts
+    assert "was marked unhealthy" in fleet.locator("#servers").inner_text()
     page.screenshot(path=screenshots / "08-fleet.png", full_page=True)
+    # History kept across the clears and the relaunches: the run's start is its first try's, the killed server's
+    # incident stays listed and the server stays marked beside the health check that passed after the relaunch,
+    # and shard 2 lists both servers it ran on.
+    report = af.api("GET", f"/dflash/runs/{quote(run_id, safe='')}/fleet.json").json()
+    first_attempt = min(a["started_at"] for s in report["shards"] for a in s["history"])
+    assert report["run_state"]["start"] <= first_attempt, (report["run_state"]["start"], first_attempt)
+    assert any(i["kind"] == "server unhealthy" and "SIGKILL" in i["text"] for i in report["incidents"]), report
+    marked = next(s for s in report["servers"] if s["server"] == server)
+    assert marked["marked"] and marked["checked_at"] > marked["marked"][-1]["at"], marked
+    assert len({a["server"] for a in next(s for s in report["shards"] if s["shard"] == 2)["history"]}) == 2
 
     # In the narrow side panel, then on its own through the page's full-page link.
     page.set_viewport_size(SIDE_PANEL)
