@@ -45,8 +45,10 @@ def test_a_full_output_disk_fails_each_stage_clearly_and_the_run_resumes_once_sp
         run_params, tmp_path, no_leftover_servers):
     prompts = write_demo_prompts(tmp_path / "prompts.jsonl", 40)
     # Checkpoints of 20 samples (~50 KB each, never sooner by the clock): each needs more than the disk leaves free.
+    # A model source outside the output root: the demo's would be written into it (its 11 MB tokenizer included).
+    model = write_demo_model(tmp_path / "model", with_tokenizer=True)
     params = run_params(1, prompt_source=str(prompts), shard_size=100, max_bad_row_share=0.5, checkpoint_every=20,
-                        checkpoint_s=3600.0, calibration_prompts=0)
+                        checkpoint_s=3600.0, calibration_prompts=0, model_source_dir=str(model))
     write_demo_model(Path(params["staging_dir"]), with_tokenizer=True)  # the staged model: tokenize's tokenizer
     cfg = RunConfig.from_params(params, RUN)
     run, parts = cfg.layout, cfg.layout.parts(COMPLETIONS, 0)
