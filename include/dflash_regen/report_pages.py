@@ -96,11 +96,6 @@ def _when(epoch: float | None) -> str:
     return "-" if epoch is None else time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(epoch))
 
 
-def _short(server: str | None) -> str:
-    """'server 2 (GPU 2, 127.0.0.1:30002)' -> 'server 2': narrow tables show the rest on hover."""
-    return "-" if not server else server.split(" (", 1)[0]
-
-
 def _detail(server: str | None) -> str:
     """'server 2 (GPU 2, 127.0.0.1:30002)' -> 'GPU 2, 127.0.0.1:30002'."""
     return (server or "").partition(" (")[2].removesuffix(")")
@@ -111,7 +106,7 @@ def _breakable(name: str) -> Markup:
     return Markup("_<wbr>").join(escape(part) for part in str(name).split("_"))
 
 
-TEMPLATES.filters.update(duration=_duration, number=_number, when=_when, short=_short, detail=_detail,
+TEMPLATES.filters.update(duration=_duration, number=_number, when=_when, short=run_report.short_name, detail=_detail,
                          breakable=_breakable, urlpart=lambda s: quote(str(s), safe=""))
 
 
@@ -220,7 +215,7 @@ def build_app(roots: Path | Sequence[Path], auth: Callable, airflow: AirflowView
     def fleet_page(run_id: str, run: Path, known: dict | None) -> HTMLResponse:
         report = run_report.fleet_report(run, known)
         tp = report["throughput"]
-        servers = {_short(name): values for name, values in tp["servers"].items()}
+        servers = {run_report.short_name(name): values for name, values in tp["servers"].items()}
         chart = charts.time_series(servers, bin_s=tp["bin_s"], x_title="time since the first answer (pauses cut out)",
                                    y_title="output tok/s", ticks=tp["ticks"], breaks=tp["breaks"], marks=tp["marks"])
         return _page("fleet.html", run_id=run_id, r=report, state=report["run_state"], chart=chart,

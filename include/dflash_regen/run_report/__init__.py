@@ -26,6 +26,7 @@ from dflash_regen.run_report.fleet_page import (
     nodes_report,
     progress,
     shards,
+    short_name,
     throughput_series,
 )
 from dflash_regen.run_report.quality_page import (
@@ -41,5 +42,5 @@ __all__ = [
     "ADVICE_MIN_GAIN", "HISTOGRAM_BINS", "PIPELINE", "RUNNING_STATES", "RunNotFound", "SHARDS_LISTED", "SLOW_SHARE",
     "THROUGHPUT_POINTS", "capacity_advice", "fleet_report", "histogram", "incidents", "kv_headroom", "list_runs",
     "nodes_report", "progress", "quality_report", "quarantine_by_stage", "resolve_run", "run_root", "run_state",
-    "shards", "threshold", "throughput_series",
+    "shards", "short_name", "threshold", "throughput_series",
 ]

@@ -114,9 +114,9 @@ def incidents(run: Path, shard_rows: list[dict]) -> list[dict]:
     return sorted(out, key=lambda i: i["at"])
 
 
-def _short(server: str) -> str:
-    """'server 2 (GPU 2, 127.0.0.1:30002)' -> 'server 2'."""
-    return server.split(" (", 1)[0]
+def short_name(server: str | None) -> str:
+    """'server 2 (GPU 2, 127.0.0.1:30002)' -> 'server 2' ('-' for none): narrow tables show the rest on hover."""
+    return "-" if not server else server.split(" (", 1)[0]
 
 
 def _mtime(path: Path) -> float | None:
@@ -364,7 +364,7 @@ def fleet_report(run: Path, airflow_run: dict | None = None, now: float | None =
                                                                          for n in nodes) else None}
     marked = _unhealthy(run)
     for server in servers:  # a GPU that died stays marked after a relaunch, beside any later health check
-        index = _short(server["server"])
+        index = short_name(server["server"])
         server["marked"] = [h for h in marked if h["node"] == server["node"] and f"server {h['server']}" == index]
         checked = layout.node_report("health", server["node"]) if server["node"] else layout.report("health")
         server["checked_at"] = _mtime(checked)
