@@ -49,19 +49,19 @@ def params_for(work: Path, label: str, shards: int) -> dict:
 
 
 def direct(params: dict, run_id: str) -> int:
-    from dflash_regen import dag_tasks
+    from dflash_regen import tasks
 
-    staged = dag_tasks.stage_weights(params, run_id)
-    fleet = dag_tasks.launch_fleet(params, run_id, staged["model_path"])
+    staged = tasks.stage_weights(params, run_id)
+    fleet = tasks.launch_fleet(params, run_id, staged["model_path"])
     try:
-        dag_tasks.health_check(params, run_id, fleet)
-        dag_tasks.smoke_test(params, run_id, fleet)
-        shards = dag_tasks.plan_shards(params, run_id)
-        dag_tasks.calibrate(params, run_id, fleet, shards)
+        tasks.health_check(params, run_id, fleet)
+        tasks.smoke_test(params, run_id, fleet)
+        shards = tasks.plan_shards(params, run_id)
+        tasks.calibrate(params, run_id, fleet, shards)
         for shard in shards:
-            dag_tasks.generate(params, run_id, shard)
+            tasks.generate(params, run_id, shard)
     finally:
-        dag_tasks.stop_fleet(fleet)
+        tasks.stop_fleet(fleet)
     return len(shards)
 
 

@@ -36,23 +36,25 @@ def profile(speedup: float) -> dict:
 
 
 def phase(work, source, run_id: str, speedup: float, **params) -> dict:
-    from dflash_regen import autotune, dag_tasks, probes
+    from dflash_regen import tasks
+    from dflash_regen.capacity import autotune
+    from dflash_regen.capacity.health import health_gate
 
     with emulated_fleet(work, 1, profile(speedup), run_id=run_id, min_kv_tokens=0, min_running_requests=1,
                         shard_size=params.pop("shard_size"), **params) as fl:
         planned = plan(fl.params, run_id, source)
-        dag_tasks.write_report(fl.cfg, "health", probes.health_gate(fl.servers, fl.key, fl.cfg.fleet))
+        tasks.write_report(fl.cfg, "health", health_gate(fl.servers, fl.key, fl.cfg.fleet))
         tuned = {}
         if fl.params["autotune"] != "off":
             started = time.monotonic()
-            tuned = dag_tasks.autotune_fleet(fl.params, run_id, str(work / "model"), planned["shards"])
+            tuned = tasks.autotune_fleet(fl.params, run_id, str(work / "model"), planned["shards"])
             tuned["autotune_task_s"] = round(time.monotonic() - started, 1)
             report = autotune.read_report(fl.cfg.reports_dir)
             chosen = next((r for r in report["candidates"] if r.get("chosen")), {})
             tuned["predicted_wall_s"] = chosen.get("wall_s")
         started = time.monotonic()
         for shard in planned["shards"]:
-            dag_tasks.generate(fl.params, run_id, {**shard, "run_prompts": planned["accepted"]})
+            tasks.generate(fl.params, run_id, {**shard, "run_prompts": planned["accepted"]})
         wall = time.monotonic() - started
     return {"wall_s": round(wall, 1), "prompts": planned["accepted"], **tuned}
 

@@ -80,7 +80,7 @@ def work_dir(name: str) -> Path:
 
 # --------------------------------------------------------------------------------------- fleet, prompts
 def run_params(work: Path, servers: int, profile: dict, **overrides) -> dict:
-    from dflash_regen.config import DEFAULTS
+    from dflash_regen.settings.run_config import DEFAULTS
 
     return {**DEFAULTS, "model_source_dir": "demo", "staging_dir": str(work / "staged"), "server_command": "emulator",
             "num_servers": servers, "base_port": free_port_block(servers), "ready_timeout_s": 120.0,
@@ -99,22 +99,22 @@ class Fleet:
 @contextmanager
 def emulated_fleet(work: Path, servers: int, profile: dict, run_id: str = "bench", **overrides):
     """A launched emulated fleet (the launcher's own code path); always stopped afterwards."""
-    from dflash_regen import fleet
-    from dflash_regen.config import RunConfig
-    from dflash_regen.demo_model import write_demo_model
+    from dflash_regen.demo.model import write_demo_model
+    from dflash_regen.fleet.servers import launch_fleet, read_api_key, stop_fleet
+    from dflash_regen.settings.run_config import RunConfig
 
     params = run_params(work, servers, profile, **overrides)
     cfg = RunConfig.from_params(params, run_id)
     try:
-        launched = fleet.launch_fleet(cfg.fleet, write_demo_model(work / "model"), cfg.fleet_dir)
-        yield Fleet(params, cfg, launched, fleet.read_api_key(cfg.fleet_dir))
+        launched = launch_fleet(cfg.fleet, write_demo_model(work / "model"), cfg.fleet_dir)
+        yield Fleet(params, cfg, launched, read_api_key(cfg.fleet_dir))
     finally:
-        fleet.stop_fleet(cfg.fleet_dir)
+        stop_fleet(cfg.fleet_dir)
 
 
 def share_fleet(fl: Fleet, run_id: str) -> None:
     """Let another run id's tasks lease this fleet: its fleet dir gets the server records and the API key."""
-    from dflash_regen.config import RunConfig
+    from dflash_regen.settings.run_config import RunConfig
 
     dest = RunConfig.from_params(fl.params, run_id).fleet_dir
     dest.mkdir(parents=True, exist_ok=True)
@@ -124,7 +124,7 @@ def share_fleet(fl: Fleet, run_id: str) -> None:
 
 def prompt_rows(n: int):
     """n demo-mix prompt rows (coding, maths, multi-turn, tools, long notes) with unique ids, streamed."""
-    from dflash_regen.demo_prompts import demo_rows
+    from dflash_regen.demo.prompts import demo_rows
 
     templates = demo_rows(1000)[:1000]  # without the two malformed demo rows
     for i in range(n):
@@ -140,8 +140,8 @@ def write_prompts(path: Path, n: int) -> Path:
 
 
 def plan(params: dict, run_id: str, source: Path) -> dict:
-    from dflash_regen.config import RunConfig
-    from dflash_regen.planning import plan_shards
+    from dflash_regen.prompts.planning import plan_shards
+    from dflash_regen.settings.run_config import RunConfig
 
     cfg = RunConfig.from_params({**params, "prompt_source": str(source)}, run_id)
     return plan_shards(source, cfg.layout, cfg.plan)
@@ -189,13 +189,13 @@ def plain_client(url: str, key: str, rows: list[dict], settings, threads: int = 
     """
     import requests
 
-    from dflash_regen import generator
+    from dflash_regen.generate.samples import chat_payload, sample_seed
 
     session = requests.Session()
 
     def send(row: dict) -> int:
-        seed = generator.sample_seed(row["sample_id"], settings.seed)
-        body = generator.chat_payload(json.loads(row["messages"]), json.loads(row["tools"]) if row["tools"] else None,
+        seed = sample_seed(row["sample_id"], settings.seed)
+        body = chat_payload(json.loads(row["messages"]), json.loads(row["tools"]) if row["tools"] else None,
                                        settings, seed, settings.sampling.max_tokens)
         resp = session.post(f"{url}/v1/chat/completions", json=body, timeout=3600,
                             headers={"Authorization": f"Bearer {key}"})
@@ -239,9 +239,9 @@ def _cli() -> None:
     args = ap.parse_args()
     params = json.loads(args.params.read_text())
     if args.cmd == "shard":
-        from dflash_regen import dag_tasks
+        from dflash_regen import tasks
 
-        out = _timed(lambda: dag_tasks.generate(params, args.run_id, args.shard))
+        out = _timed(lambda: tasks.generate(params, args.run_id, args.shard))
     elif args.cmd == "plan":
         def summary() -> dict:
             got = plan(params, args.run_id, args.source)
@@ -250,13 +250,13 @@ def _cli() -> None:
 
         out = _timed(summary)
     else:
-        from dflash_regen import fleet
-        from dflash_regen.config import RunConfig
+        from dflash_regen.fleet.servers import load_servers, read_api_key
+        from dflash_regen.settings.run_config import RunConfig
 
         cfg = RunConfig.from_params(params, args.run_id)
-        server = fleet.load_servers(cfg.fleet_dir)[args.server]
+        server = load_servers(cfg.fleet_dir)[args.server]
         rows = shard_rows(args.shard_file)
-        out = _timed(lambda: plain_client(server.url, fleet.read_api_key(cfg.fleet_dir), rows, cfg.generation))
+        out = _timed(lambda: plain_client(server.url, read_api_key(cfg.fleet_dir), rows, cfg.generation))
     print(json.dumps(out))
 
 

@@ -34,7 +34,8 @@ from benchlib import (
     write_result,
 )
 
-from dflash_regen import fleet, generation
+from dflash_regen.fleet.servers import lease
+from dflash_regen.generate.shard import ShardPaths, generate_shard
 
 METRIC = re.compile(r"^sglang:(num_running_reqs|generation_tokens_total)\{[^}]*\} ([\d.e+]+)$", re.M)
 
@@ -99,9 +100,9 @@ def main() -> None:
 
         def ours() -> tuple[int, int]:
             def one(shard):
-                paths = generation.ShardPaths.of(cfg.layout, shard["shard"], Path(shard["path"]))
-                with fleet.lease(cfg.fleet_dir, fl.servers, shard["shard"], wait_s=60) as server:
-                    return generation.generate_shard(paths, server, fl.key, cfg.generation, fleet_dir=cfg.fleet_dir)
+                paths = ShardPaths.of(cfg.layout, shard["shard"], Path(shard["path"]))
+                with lease(cfg.fleet_dir, fl.servers, shard["shard"], wait_s=60) as server:
+                    return generate_shard(paths, server, fl.key, cfg.generation, fleet_dir=cfg.fleet_dir)
 
             with ThreadPoolExecutor(len(planned["shards"])) as pool:
                 done = list(pool.map(one, planned["shards"]))

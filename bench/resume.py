@@ -38,8 +38,9 @@ from benchlib import (
     write_result,
 )
 
-from dflash_regen import checkpoints, generation
-from dflash_regen.config import RunConfig
+from dflash_regen.generate import checkpoints
+from dflash_regen.generate.shard import ShardPaths
+from dflash_regen.settings.run_config import RunConfig
 
 
 def main() -> None:
@@ -63,7 +64,7 @@ def main() -> None:
         full = run_measured(cli_argv("shard", fl.params, "uninterrupted", json.dumps(shards["uninterrupted"]),
                                      folder=work), work / "uninterrupted.log")
 
-        paths = generation.ShardPaths.of(RunConfig.from_params(fl.params, "interrupted").layout, 0,
+        paths = ShardPaths.of(RunConfig.from_params(fl.params, "interrupted").layout, 0,
                                          Path(shards["interrupted"]["path"]))
         argv = cli_argv("shard", fl.params, "interrupted", json.dumps(shards["interrupted"]), folder=work)
         started = time.monotonic()

@@ -47,9 +47,9 @@ def main() -> None:
     own_airflow_home()
     from airflow.dag_processing.dagbag import DagBag
 
-    from dflash_regen import store
-    from dflash_regen.config import safe_run_id
+    from dflash_regen.generate import store
     from dflash_regen.layout import COMPLETIONS, RunLayout
+    from dflash_regen.settings.run_config import safe_run_id
 
     dag = DagBag(dag_folder=str(ROOT / "dags")).dags["dflash_regen"]
     work = work_dir("reuse")

@@ -24,8 +24,8 @@ from pathlib import Path
 
 from benchlib import emulated_fleet, figure, parser, work_dir, write_result
 
-from dflash_regen import staging
-from dflash_regen.demo_model import CONFIG
+from dflash_regen.demo.model import CONFIG
+from dflash_regen.fleet import staging
 
 
 def make_model(folder: Path, files: int, file_mb: int) -> Path:

@@ -19,10 +19,10 @@ from pathlib import Path
 
 from benchlib import figure, parser, work_dir, write_result
 
-from dflash_regen.demo_model import write_demo_model
-from dflash_regen.demo_prompts import demo_rows
+from dflash_regen.chat.template import load_tokenizer, render, tokenize_batch
+from dflash_regen.demo.model import write_demo_model
+from dflash_regen.demo.prompts import demo_rows
 from dflash_regen.quality import QualitySettings, run_suite
-from dflash_regen.tokenize import load_tokenizer, render, tokenize_batch
 
 
 def conversations(n: int) -> list[tuple[list[dict], list[dict] | None]]:

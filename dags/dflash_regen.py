@@ -31,9 +31,10 @@ import datetime as dt
 
 from airflow.sdk import Asset, Param, TaskGroup, chain, dag, setup, task, task_group, teardown
 
-from dflash_regen import dag_tasks, nodes
-from dflash_regen.deployment import deployment
-from dflash_regen.params import trigger_form
+from dflash_regen import tasks
+from dflash_regen.settings import nodes
+from dflash_regen.settings.deployment import deployment
+from dflash_regen.settings.params import trigger_form
 
 # The deployment's environment (dflash_regen.deployment: each variable and its fallback), read at parse time.
 DEPLOYMENT = deployment()
@@ -64,63 +65,63 @@ PARAMS = {name: Param(**spec) for name, spec in trigger_form(DEPLOYMENT, nodes=b
     tags=["dflash", "sglang", "data"],
     params=PARAMS,
     # The callbacks repeat the error's first line at the end of the task log, where it opens.
-    default_args={"retries": 1, "retry_delay": dt.timedelta(seconds=10), "on_failure_callback": dag_tasks.log_reason,
-                  "on_retry_callback": dag_tasks.log_reason, **NODE_QUEUE},
+    default_args={"retries": 1, "retry_delay": dt.timedelta(seconds=10), "on_failure_callback": tasks.log_reason,
+                  "on_retry_callback": tasks.log_reason, **NODE_QUEUE},
 )
 def dflash_regen():
     # After planning: when the completion store holds every prompt's completion it skips (and the fleet with it).
     @task
     def stage_weights(shards: list[dict], params=None, run_id=None) -> dict:
-        return dag_tasks.stage_weights(params, run_id, shards)
+        return tasks.stage_weights(params, run_id, shards)
 
     @setup
     @task
     def launch_fleet(staged: dict, params=None, run_id=None, node=None) -> dict:
-        return dag_tasks.launch_fleet(params, run_id, staged["model_path"], node=node)
+        return tasks.launch_fleet(params, run_id, staged["model_path"], node=node)
 
     @setup
     @task(retries=0)
     def health_check(fleet: dict, params=None, run_id=None, node=None) -> dict:
-        return dag_tasks.health_check(params, run_id, fleet, node=node)
+        return tasks.health_check(params, run_id, fleet, node=node)
 
     @setup
     @task(retries=0)
     def smoke_test(fleet: dict, params=None, run_id=None, node=None) -> dict:
-        return dag_tasks.smoke_test(params, run_id, fleet, node=node)
+        return tasks.smoke_test(params, run_id, fleet, node=node)
 
     # Tries server settings on the first GPU and, with Param autotune = apply, relaunches the fleet with the fastest.
     @setup
     @task(retries=0)
     def autotune(staged: dict, shards: list[dict], params=None, run_id=None, node=None) -> dict:
-        return dag_tasks.autotune_fleet(params, run_id, staged["model_path"], shards, node=node)
+        return tasks.autotune_fleet(params, run_id, staged["model_path"], shards, node=node)
 
     @task
     def plan_shards(params=None, run_id=None) -> list[dict]:
-        return dag_tasks.plan_shards(params, run_id)
+        return tasks.plan_shards(params, run_id)
 
     @setup
     @task
     def calibrate(fleet: dict, shards: list[dict], params=None, run_id=None, node=None) -> dict:
-        return dag_tasks.calibrate(params, run_id, fleet, shards, node=node)
+        return tasks.calibrate(params, run_id, fleet, shards, node=node)
 
     @task(retries=GENERATE_RETRIES, retry_delay=dt.timedelta(seconds=5), retry_exponential_backoff=2.0,
           max_retry_delay=dt.timedelta(minutes=2), max_active_tis_per_dagrun=PARALLEL_SHARDS,
           map_index_template="{{ shard.label }}")
     def generate(shard: dict, params=None, run_id=None, node=None) -> dict:
-        return dag_tasks.generate(params, run_id, shard, node=node)
+        return tasks.generate(params, run_id, shard, node=node)
 
     # none_failed: a shard's generate skipped with the fleet (the store supplied it) still leaves it to tokenize.
     @task(map_index_template="{{ 'shard %04d' | format(shard.shard) }}", trigger_rule="none_failed")
     def tokenize(generated: dict | None, shard: dict, params=None, run_id=None, node=None) -> dict:
-        return dag_tasks.tokenize_shard(params, run_id, generated, node=node, shard=shard)
+        return tasks.tokenize_shard(params, run_id, generated, node=node, shard=shard)
 
     @task(retries=0)
     def validate(shards: list[dict], params=None, run_id=None) -> dict:
-        return dag_tasks.validate(params, run_id, shards)
+        return tasks.validate(params, run_id, shards)
 
     @task(outlets=[DATASET])
     def publish(params=None, run_id=None, outlet_events=None) -> dict:
-        result = dag_tasks.publish_dataset(params, run_id)
+        result = tasks.publish_dataset(params, run_id)
         outlet_events[DATASET].extra = result
         return result
 
@@ -128,7 +129,7 @@ def dflash_regen():
     @teardown
     @task(priority_weight=TEARDOWN_PRIORITY, weight_rule="absolute")
     def stop_fleet(fleet: dict) -> list[str]:
-        return dag_tasks.stop_fleet(fleet)
+        return tasks.stop_fleet(fleet)
 
     # The run's verdict. Airflow counts skipped leaves as success, so a run marked failed by hand (its pending
     # tasks skipped) would turn green once its teardown ran; a teardown still runs then, and with
@@ -136,7 +137,7 @@ def dflash_regen():
     @teardown(on_failure_fail_dagrun=True)
     @task(retries=0)
     def check_published(params=None, run_id=None) -> dict:
-        return dag_tasks.check_published(params, run_id)
+        return tasks.check_published(params, run_id)
 
     def per_shard(shards, ready, stop, node: dict | None = None, on_node: dict | None = None):
         """generate -> tokenize for each shard, one mapped task group: a shard's tokenize starts when its own
@@ -173,19 +174,19 @@ def dflash_regen():
     # Several nodes: per node, its fleet setups, shards and teardown on its own queue (queue cannot be mapped).
     @task
     def check_inputs(params=None, run_id=None) -> dict:
-        return dag_tasks.check_inputs(params, run_id)
+        return tasks.check_inputs(params, run_id)
 
     @task
     def stage_node(checked: dict, params=None, run_id=None, node=None) -> dict:
-        return dag_tasks.stage_node(params, run_id, checked, node=node)
+        return tasks.stage_node(params, run_id, checked, node=node)
 
     @task(trigger_rule="none_failed")  # a node left out (skipped) does not stop the others
     def assign_shards(shards: list[dict], params=None, run_id=None) -> dict:
-        return dag_tasks.assign_shards(params, run_id, shards, [n.name for n in NODES])
+        return tasks.assign_shards(params, run_id, shards, [n.name for n in NODES])
 
     @task
     def node_ready(calibrated: dict, params=None, run_id=None, node=None) -> dict:
-        return dag_tasks.node_ready(params, run_id, calibrated, node)
+        return tasks.node_ready(params, run_id, calibrated, node)
 
     @task
     def node_shards(assigned: dict, name: str) -> list[dict]:

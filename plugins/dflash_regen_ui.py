@@ -25,8 +25,8 @@ from airflow.plugins_manager import AirflowPlugin
 from airflow.utils.session import create_session
 from sqlalchemy import func, select
 
-from dflash_regen.deployment import deployment
-from dflash_regen.report_pages import build_app
+from dflash_regen.settings.deployment import deployment
+from dflash_regen.ui.app import build_app
 
 PREFIX = "/dflash"
 DAG_ID = "dflash_regen"

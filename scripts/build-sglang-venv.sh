@@ -4,7 +4,7 @@
 # Then set Param server_command (or env DFLASH_SERVER_COMMAND) to: <venv>/bin/python -m sglang.launch_server
 set -euo pipefail
 VENV="${1:-/opt/sglang-venv}"
-SGLANG_VERSION="${SGLANG_VERSION:-0.5.16}"  # supported 0.5.10-0.5.23 (dflash_regen.sglang); Qwen3.6 cookbook ran 0.5.16; 0.5.13/0.5.14 crash with MTP
+SGLANG_VERSION="${SGLANG_VERSION:-0.5.16}"  # supported 0.5.10-0.5.23 (include/dflash_regen/sglang/api.py); Qwen3.6 cookbook ran 0.5.16; 0.5.13/0.5.14 crash with MTP
 fstype=$(stat -f -c %T "$(dirname "$VENV")")
 case "$fstype" in
   nfs*|cifs|smb*|fuse*|9p|lustre|gpfs|ceph*|glusterfs)

@@ -58,6 +58,6 @@ for _ in $(seq 120); do
 done
 stop_airflow
 rc=0; [[ "$state" == success ]] || rc=1
-python -m dflash_regen.demo_summary "$DFLASH_OUTPUT_ROOT" "$AIRFLOW_HOME/logs/dag_id=dflash_regen/run_id=$RUN_ID" "$rc"
+python -m dflash_regen.demo.summary "$DFLASH_OUTPUT_ROOT" "$AIRFLOW_HOME/logs/dag_id=dflash_regen/run_id=$RUN_ID" "$rc"
 echo "wall time: $(( $(date +%s) - started )) s"
 exit "$rc"

@@ -106,7 +106,7 @@ def no_leftover_servers(tmp_path):
 @pytest.fixture
 def run_params(tmp_path):
     """Params for a small, fast emulated run inside tmp_path; tests override what they exercise."""
-    from dflash_regen.config import DEFAULTS
+    from dflash_regen.settings.run_config import DEFAULTS
 
     def make(num_servers: int = 7, **overrides) -> dict:
         params = {
@@ -133,9 +133,9 @@ def run_params(tmp_path):
 def launch(run_params, tmp_path, no_leftover_servers):
     """Launch an emulated fleet from Params overrides; returns (cfg, servers, api key); always stopped.
     `launch.params` holds the last launch's Params, for calling dag_tasks with them."""
-    from dflash_regen import fleet
-    from dflash_regen.config import RunConfig
-    from dflash_regen.demo_model import write_demo_model
+    from dflash_regen.demo.model import write_demo_model
+    from dflash_regen.fleet.servers import launch_fleet, read_api_key, stop_fleet
+    from dflash_regen.settings.run_config import RunConfig
 
     fleet_dirs = []
     model = write_demo_model(tmp_path / "model")
@@ -144,12 +144,12 @@ def launch(run_params, tmp_path, no_leftover_servers):
         start.params = run_params(num_servers, **overrides)
         cfg = RunConfig.from_params(start.params, "test_run")
         fleet_dirs.append(cfg.fleet_dir)
-        servers = fleet.launch_fleet(cfg.fleet, model, cfg.fleet_dir)
-        return cfg, servers, fleet.read_api_key(cfg.fleet_dir)
+        servers = launch_fleet(cfg.fleet, model, cfg.fleet_dir)
+        return cfg, servers, read_api_key(cfg.fleet_dir)
 
     yield start
     for d in fleet_dirs:
-        fleet.stop_fleet(d)
+        stop_fleet(d)
 
 
 @pytest.fixture(scope="session")

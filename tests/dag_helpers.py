@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
-from dflash_regen import sglang
 from dflash_regen.layout import COMPLETIONS, RunLayout
+from dflash_regen.sglang.api import OLDEST, Dialect
 
 
 def states(dag_run) -> dict[str, str]:
@@ -19,7 +19,7 @@ def states(dag_run) -> dict[str, str]:
 
 def layout_of(conf, dag_run) -> RunLayout:
     """The RunLayout of a dag.test() run."""
-    from dflash_regen.config import safe_run_id
+    from dflash_regen.settings.run_config import safe_run_id
 
     return RunLayout.of(Path(conf["output_root"]), safe_run_id(dag_run.run_id))
 
@@ -68,5 +68,5 @@ def assert_ran_in_versions_mode(run: RunLayout, version: str) -> None:
     health = json.loads(run.report("health").read_text())
     assert all(s["version"] == version and s["binding"] == "Mamba slots (80 // 5 = 16)" for s in health["servers"])
     spec = json.loads(run.fleet.server_spec(0).read_text())
-    assert sglang.Dialect(version).mamba_strategy_flag in spec["argv"]
-    assert ("SGLANG_ENABLE_SPEC_V2" in spec["env"]) == (version == sglang.OLDEST)
+    assert Dialect(version).mamba_strategy_flag in spec["argv"]
+    assert ("SGLANG_ENABLE_SPEC_V2" in spec["env"]) == (version == OLDEST)

@@ -21,8 +21,8 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import requests
 
-from dflash_regen.config import safe_run_id
 from dflash_regen.layout import COMPLETIONS, RunLayout
+from dflash_regen.settings.run_config import safe_run_id
 
 ROOT = Path(__file__).resolve().parents[1]
 AIRFLOW = str(Path(sys.executable).parent / "airflow")

@@ -15,20 +15,11 @@ from collections import Counter
 from pathlib import Path
 
 from dflash_regen import atomic, schemas
-from dflash_regen.config import QualitySettings
 from dflash_regen.errors import GateFailed
 from dflash_regen.layout import FAILURES, RunLayout
+from dflash_regen.settings.run_config import QualitySettings
 
 log = logging.getLogger(__name__)
-
-
-def repetition_score(text: str | None, n: int = 8) -> float:
-    """Share of word n-grams that repeat an earlier one: ~0 for prose, -> 1 for a loop."""
-    words = (text or "").split()
-    if len(words) < 2 * n:
-        return 0.0
-    grams = [tuple(words[i:i + n]) for i in range(len(words) - n + 1)]
-    return 1.0 - len(set(grams)) / len(grams)
 
 
 def row_problem(row: dict, s: QualitySettings) -> str:

@@ -27,9 +27,10 @@ import requests
 from conftest import FAST_PROFILE, free_port_block
 from wheels import VERSIONS, Judge
 
-from dflash_regen import fleet, sglang
-from dflash_regen.config import DEFAULTS, RunConfig
-from dflash_regen.smoke import PROMPTS
+from dflash_regen.fleet import servers as fleet_servers
+from dflash_regen.fleet.smoke import PROMPTS
+from dflash_regen.settings.run_config import DEFAULTS, RunConfig
+from dflash_regen.sglang.api import OLDEST, Dialect
 
 # One xdist worker runs them all, so each version's judge and emulated server start once (module fixtures).
 pytestmark = pytest.mark.xdist_group("sglang_contract")
@@ -55,15 +56,15 @@ def judge(version):
 @pytest.fixture(scope="module")
 def emulated(version, tmp_path_factory):
     """One emulated server in `version`'s mode, launched by `fleet.launch_fleet` (the pipeline's argv)."""
-    from dflash_regen.demo_model import write_demo_model
+    from dflash_regen.demo.model import write_demo_model
 
     root = tmp_path_factory.mktemp(f"contract-{version}")
     cfg = RunConfig.from_params(params(root, version, "emulator"), f"contract-{version}")
-    servers = fleet.launch_fleet(cfg.fleet, write_demo_model(root / "model"), cfg.fleet_dir)
+    servers = fleet_servers.launch_fleet(cfg.fleet, write_demo_model(root / "model"), cfg.fleet_dir)
     try:
-        yield Server(servers[0].url, fleet.read_api_key(cfg.fleet_dir), servers[0], cfg)
+        yield Server(servers[0].url, fleet_servers.read_api_key(cfg.fleet_dir), servers[0], cfg)
     finally:
-        fleet.stop_fleet(cfg.fleet_dir)
+        fleet_servers.stop_fleet(cfg.fleet_dir)
 
 
 def params(root, version: str, command: str, server_flags: str = "") -> dict:
@@ -74,7 +75,7 @@ def params(root, version: str, command: str, server_flags: str = "") -> dict:
 
 
 class Server:
-    def __init__(self, url: str, key: str, launched: fleet.Server, cfg: RunConfig):
+    def __init__(self, url: str, key: str, launched: fleet_servers.Server, cfg: RunConfig):
         self.url, self.key, self.launched, self.cfg = url, key, launched, cfg
 
     def post(self, body: dict, **kw) -> requests.Response:
@@ -113,7 +114,7 @@ def valid(judge: Judge, model: str, body: dict) -> dict:
 def test_the_pipelines_argv_parses_with_sglangs_own_parser(judge, version, tmp_path, server_flags):
     cfg = RunConfig.from_params(params(tmp_path, version, f"{sys.executable} -m sglang.launch_server",
                                        server_flags), "argv")
-    [server] = fleet.plan_servers(cfg.fleet, tmp_path / "model", tmp_path, "key", sglang.Dialect(version))
+    [server] = fleet_servers.plan_servers(cfg.fleet, tmp_path / "model", tmp_path, "key", Dialect(version))
     parsed = judge.ask("parse_argv", argv=server.argv[3:])
     assert parsed["exit"] == 0, parsed["stderr"]
     args = parsed["args"]
@@ -123,13 +124,14 @@ def test_the_pipelines_argv_parses_with_sglangs_own_parser(judge, version, tmp_p
     if server_flags:
         assert (args["max_mamba_cache_size"], args["max_running_requests"]) == (160, 32)
     # The environment: SGLANG_ENABLE_SPEC_V2 is set exactly where the version still reads it.
-    env = sglang.Dialect(version).launch_env(dict(cfg.fleet.env))
+    env = Dialect(version).launch_env(dict(cfg.fleet.env))
     read = judge.ask("source_contains", path="sglang/srt/environ.py", text="SGLANG_ENABLE_SPEC_V2")["found"]
     assert ("SGLANG_ENABLE_SPEC_V2" in env) == read
 
 
 def test_every_autotune_candidates_argv_parses_with_sglangs_own_parser(judge, version, tmp_path):
-    from dflash_regen import autotune, capacity
+    from dflash_regen import capacity
+    from dflash_regen.capacity import autotune
 
     seed_node = capacity.Memory(server="s", kv_tokens=1_140_000, running_slots=16, max_running_requests=48,
                                 mamba_slots=80, mamba_ratio=5, kv_gb=34.8, mamba_gb=30.9, reserve_gb=27.9)
@@ -141,7 +143,7 @@ def test_every_autotune_candidates_argv_parses_with_sglangs_own_parser(judge, ve
     for cand in candidates:
         cfg = RunConfig.from_params(params(tmp_path, version, f"{sys.executable} -m sglang.launch_server",
                                            cand.flags), "argv")
-        [server] = fleet.plan_servers(cfg.fleet, tmp_path / "model", tmp_path, "key", sglang.Dialect(version))
+        [server] = fleet_servers.plan_servers(cfg.fleet, tmp_path / "model", tmp_path, "key", Dialect(version))
         parsed = judge.ask("parse_argv", argv=server.argv[3:])
         assert parsed["exit"] == 0, (cand.name, parsed["stderr"])
         args = parsed["args"]
@@ -154,7 +156,7 @@ def test_every_autotune_candidates_argv_parses_with_sglangs_own_parser(judge, ve
 
 
 def test_the_argv_check_fails_on_a_flag_the_version_lacks(judge, version, tmp_path):
-    other = "--mamba-radix-cache-strategy" if version == sglang.OLDEST else "--mamba-scheduler-strategy"
+    other = "--mamba-radix-cache-strategy" if version == OLDEST else "--mamba-scheduler-strategy"
     argv = ["--model-path", str(tmp_path), other, "extra_buffer"]
     parsed = judge.ask("parse_argv", argv=argv)
     assert parsed["exit"] == 2 and f"unrecognized arguments: {other}" in parsed["stderr"]
@@ -179,8 +181,8 @@ def test_non_streaming_answers_validate_against_sglangs_models(judge, version, e
     choice, usage = cut["choices"][0], cut["usage"]
     assert choice["finish_reason"] == "length" and usage["reasoning_tokens"] == usage["completion_tokens"] == 64
     # Each version's own forms: empty content, and where reasoning tokens are also reported.
-    assert choice["message"]["content"] == (None if version == sglang.OLDEST else "")
-    assert ("completion_tokens_details" in usage) == (version != sglang.OLDEST)
+    assert choice["message"]["content"] == (None if version == OLDEST else "")
+    assert ("completion_tokens_details" in usage) == (version != OLDEST)
 
 
 def test_every_sse_chunk_validates_including_the_usage_chunk(judge, emulated):
@@ -211,11 +213,11 @@ def test_error_bodies_and_the_model_list_are_sglangs(judge, emulated):
 
 
 def test_health_check_names_the_mamba_binding_although_the_top_level_is_null(version, emulated):
-    from dflash_regen import probes
+    from dflash_regen.capacity.health import probe_server
 
     info = emulated.get("/server_info").json()
     assert info["version"] == version and info["max_mamba_cache_size"] is None  # the CLI echo, as SGLang's
-    health = probes.probe_server(emulated.launched, emulated.key, emulated.cfg.fleet)
+    health = probe_server(emulated.launched, emulated.key, emulated.cfg.fleet)
     assert health.healthy and health.version == version
     assert health.allocation["mamba_slots"] == 80 and health.allocation["running_slots"] == 16
     assert health.binding == "Mamba slots (80 // 5 = 16)"
@@ -278,8 +280,8 @@ DRIFTS = {
 
 @pytest.fixture(scope="module")
 def demo_tokenizer(tmp_path_factory):
-    from dflash_regen.demo_model import default_tokenizer_cache, write_demo_model
-    from dflash_regen.tokenize import load_tokenizer
+    from dflash_regen.chat.template import load_tokenizer
+    from dflash_regen.demo.model import default_tokenizer_cache, write_demo_model
 
     return load_tokenizer(write_demo_model(tmp_path_factory.mktemp("model"), shards=1, shard_bytes=1024,
                                            with_tokenizer=True, tokenizer_cache=default_tokenizer_cache()))
@@ -289,8 +291,8 @@ def rerendered(judge: Judge, tok, raw: str, tools: list[dict] | None = FIDELITY_
                prompt: list[dict] | None = None) -> tuple[str, int | None]:
     """(the assistant span the trainer renders from what SGLang's qwen3 and qwen3_coder parsers make of `raw`, the
     tokenize stage's `rerender_token_delta` for it, with the server's count: `raw`'s tokens and its `<|im_end|>`)."""
-    from dflash_regen.tokenize import ASSISTANT_HEADER, render, tokenize_batch
-    from dflash_regen.tokenized import rerender_token_delta
+    from dflash_regen.chat.template import ASSISTANT_HEADER, render, tokenize_batch
+    from dflash_regen.training.tokenize import rerender_token_delta
 
     parsed = judge.ask("reasoning", text=raw, force=True)
     calls = judge.ask("tools", text=parsed["content"] or "", tools=tools) if tools else {"calls": []}
@@ -327,14 +329,14 @@ def test_raw_output_in_the_templates_form_round_trips_through_sglangs_parsers_an
 def test_every_emulated_demo_answer_re_renders_as_the_emulator_generated_it(judge, demo_tokenizer, tmp_path):
     """The emulator writes the template's own form: on the demo's prompts, each raw output (thinking on, not cut)
     parsed by this version's parsers and re-rendered by the template is the raw output, text and token count."""
-    from dflash_regen import prompts
-    from dflash_regen.demo_prompts import write_demo_prompts
+    from dflash_regen.demo.prompts import write_demo_prompts
     from dflash_regen.emulator import model as emulated_model
     from dflash_regen.emulator.faults import load_profile
+    from dflash_regen.prompts.formats import Prompt, parse_row
 
     profile = load_profile({"DFLASH_EMU_PROFILE": json.dumps(FAST_PROFILE)})
     lines = write_demo_prompts(tmp_path / "prompts.jsonl").read_text().splitlines()
-    rows = [p for i, line in enumerate(lines) if isinstance(p := prompts.parse_row(f"l{i}", line), prompts.Prompt)]
+    rows = [p for i, line in enumerate(lines) if isinstance(p := parse_row(f"l{i}", line), Prompt)]
     differ, compared = [], 0
     for seed, p in enumerate(rows):
         gen = emulated_model.generate(emulated_model.ModelInput(messages=p.messages, tools=p.tools, seed=seed),
@@ -375,12 +377,12 @@ def test_each_training_samples_prompt_is_the_prompt_sglang_rendered_for_the_mode
     `tools` model-dumped, serving_chat.py), rendered by the model's template with the request's
     `chat_template_kwargs`, is token for token the start of the training sample's `input_ids` (the tokenize
     stage, its tools from `Dialect.template_tools`), and its loss mask starts right after it."""
-    from dflash_regen import tokenize
-    from dflash_regen.generator import chat_payload
-    from dflash_regen.tokenized import training_conversations
+    from dflash_regen.chat import template
+    from dflash_regen.generate.samples import chat_payload
+    from dflash_regen.training.tokenize import training_conversations
 
     cfg = RunConfig.from_params(params(tmp_path, version, "emulator"), "seen")
-    dialect = sglang.Dialect(version)
+    dialect = Dialect(version)
     for messages, tools, turn in SEEN:
         payload = chat_payload(messages, tools, cfg.generation, seed=1, max_tokens=64)
         request = valid(judge, "ChatCompletionRequest", payload)["dump"]
@@ -388,13 +390,13 @@ def test_each_training_samples_prompt_is_the_prompt_sglang_rendered_for_the_mode
             assert dialect.template_tools(tools) == request["tools"]  # key order too: compared as JSON text
             assert json.dumps(dialect.template_tools(tools)) == json.dumps(request["tools"])
         prompt = demo_tokenizer.apply_chat_template(
-            tokenize._with_parsed_arguments([{**m, "content": m.get("content") or ""} for m in request["messages"]]),
+            template._with_parsed_arguments([{**m, "content": m.get("content") or ""} for m in request["messages"]]),
             tools=request.get("tools"), tokenize=False, add_generation_prompt=True, **payload["chat_template_kwargs"])
         prompt_ids = demo_tokenizer.backend_tokenizer.encode(prompt, add_special_tokens=False).ids
         # The tokenize stage's own conversation: the shard's prompt row and the completion row, as parquet holds them.
         prompt_row = {"sample_id": "s", "messages": json.dumps(messages), "tools": json.dumps(tools) if tools else None}
         completion_row = {"sample_id": "s", "assistant_turns": json.dumps([turn])}
-        [(ids, mask)] = tokenize.tokenize_batch(demo_tokenizer, training_conversations(
+        [(ids, mask)] = template.tokenize_batch(demo_tokenizer, training_conversations(
             {"s": prompt_row}, [completion_row], dialect))
         assert ids[:len(prompt_ids)].tolist() == prompt_ids, (version, prompt[-300:])
         assert mask[:len(prompt_ids)].sum() == 0 and mask[len(prompt_ids)] == 1

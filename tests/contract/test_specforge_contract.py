@@ -17,9 +17,9 @@ import json
 import pytest
 from specforge_check import assert_specforge_reproduces, judged
 
-from dflash_regen.conversation import build, specforge_record
-from dflash_regen.demo_model import default_tokenizer_cache, write_demo_model
-from dflash_regen.tokenize import load_tokenizer, tokenize_batch
+from dflash_regen.chat.conversation import build, specforge_record
+from dflash_regen.chat.template import load_tokenizer, tokenize_batch
+from dflash_regen.demo.model import default_tokenizer_cache, write_demo_model
 
 pytestmark = pytest.mark.xdist_group("specforge_contract")
 

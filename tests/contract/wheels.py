@@ -11,9 +11,9 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from dflash_regen import sglang
+from dflash_regen.sglang.api import NEWEST_CHECKED, OLDEST
 
-VERSIONS = [sglang.OLDEST, sglang.NEWEST_CHECKED]
+VERSIONS = [OLDEST, NEWEST_CHECKED]
 CACHE = Path.home() / ".cache" / "dflash-regen" / "sglang"
 JUDGE = Path(__file__).with_name("judge.py")
 

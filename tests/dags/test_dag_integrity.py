@@ -7,8 +7,8 @@ import pytest
 from airflow.dag_processing.dagbag import DagBag
 from airflow.sdk.exceptions import ParamValidationError
 
-from dflash_regen.config import RunConfig
-from dflash_regen.params import SPECS
+from dflash_regen.settings.params import SPECS
+from dflash_regen.settings.run_config import RunConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -246,11 +246,11 @@ def test_a_setup_error_is_one_exception_whose_first_line_is_the_message(run_para
 
     from airflow.sdk.exceptions import AirflowFailException
 
-    from dflash_regen import dag_tasks
+    from dflash_regen import tasks
 
     params = run_params(1, model_source_dir=str(tmp_path / "no-such-model"))
     with pytest.raises(AirflowFailException) as info:
-        dag_tasks.stage_weights(params, "manual__1")
+        tasks.stage_weights(params, "manual__1")
     assert str(info.value).splitlines()[0] == (f"StagingError: model source {tmp_path / 'no-such-model'} is not a "
                                                "directory; set Param model_source_dir to the directory that holds "
                                                "config.json and the weight files")
@@ -264,13 +264,13 @@ def test_a_failed_or_retried_tasks_log_ends_with_its_errors_first_line(dag, capl
     there."""
     from airflow.sdk.exceptions import AirflowFailException
 
-    from dflash_regen import dag_tasks
+    from dflash_regen import tasks
 
     for t in dag.tasks:
-        assert dag_tasks.log_reason in (t.on_failure_callback or []), t.task_id
-        assert dag_tasks.log_reason in (t.on_retry_callback or []), t.task_id
+        assert tasks.log_reason in (t.on_failure_callback or []), t.task_id
+        assert tasks.log_reason in (t.on_retry_callback or []), t.task_id
     error = AirflowFailException("GateFailed: server 3 has 120,000 KV tokens, below 1,000,000\ncause: ...")
     with caplog.at_level("ERROR"):
-        dag_tasks.log_reason({"exception": error, "ti": type("TI", (), {"task_id": "health_check"})()})
+        tasks.log_reason({"exception": error, "ti": type("TI", (), {"task_id": "health_check"})()})
     assert caplog.records[-1].getMessage() == ("health_check failed: GateFailed: server 3 has 120,000 KV tokens, "
                                                "below 1,000,000")

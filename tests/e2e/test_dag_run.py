@@ -10,8 +10,8 @@ from conftest import FAST_PROFILE
 from dag_helpers import assert_ran_in_versions_mode, check_invariants, layout_of, logs, states
 from specforge_check import assert_specforge_reproduces, judged, published_tokens
 
-from dflash_regen import sglang
 from dflash_regen.layout import COMPLETIONS, FAILURES
+from dflash_regen.sglang.api import NEWEST_CHECKED, OLDEST, Dialect
 
 
 def test_demo_dag_runs_green_on_seven_emulated_servers(dag, run_params, no_leftover_servers):
@@ -20,7 +20,7 @@ def test_demo_dag_runs_green_on_seven_emulated_servers(dag, run_params, no_lefto
     # current settings and at most one more are measured, the rest is over the budget
     # (tests/integration/test_autotune_on_fleet.py measures them all), then the fleet is relaunched.
     # Three shards (mapped tasks, and fewer tokenize tasks: each loads the tokenizer).
-    conf = run_params(7, shard_size=40, emulator_profile={**FAST_PROFILE, "sglang_version": sglang.NEWEST_CHECKED},
+    conf = run_params(7, shard_size=40, emulator_profile={**FAST_PROFILE, "sglang_version": NEWEST_CHECKED},
                       autotune="advise", autotune_candidate_s=2.0, autotune_budget_s=8.0)
     dag_run = dag.test(run_conf=conf)
     assert states(dag_run) == {t: "success" for t in ("stage_weights", "launch_fleet", "health_check", "smoke_test",
@@ -45,7 +45,7 @@ def test_demo_dag_runs_green_on_seven_emulated_servers(dag, run_params, no_lefto
     health = json.loads(run.report("health").read_text())
     smoke = json.loads(run.report("smoke").read_text())
     assert health["passed"] and len(health["servers"]) == 7
-    assert_ran_in_versions_mode(run, sglang.NEWEST_CHECKED)
+    assert_ran_in_versions_mode(run, NEWEST_CHECKED)
     capacity = json.loads(run.report("capacity").read_text())
     assert capacity["run"]["prompts"] == plan["accepted"] and capacity["run"]["servers"] == 7
     # At the test profile's 20K tok/s per request the 2-core box itself can saturate first ("compute");
@@ -55,7 +55,7 @@ def test_demo_dag_runs_green_on_seven_emulated_servers(dag, run_params, no_lefto
     assert sorted(run.fleet_dir.glob("*.log")) == [run.fleet.server_log(i) for i in range(7)]
     assert (Path(conf["staging_dir"]) / "config.json").is_file()
     # Published: complete, reconciled, and loadable as parquet.
-    from dflash_regen.config import safe_run_id
+    from dflash_regen.settings.run_config import safe_run_id
 
     version = Path(conf["output_root"]) / "published" / conf["dataset_name"] / safe_run_id(dag_run.run_id)
     manifest = json.loads((version / "manifest.json").read_text())
@@ -64,7 +64,7 @@ def test_demo_dag_runs_green_on_seven_emulated_servers(dag, run_params, no_lefto
     assert c["quarantined_by_reason"]["duplicate_id"] == 1 and c["quarantined_by_reason"]["bad_role"] == 1
     from datasets import load_dataset
 
-    from dflash_regen.tokenize import load_tokenizer
+    from dflash_regen.chat.template import load_tokenizer
 
     tokenized = load_dataset("parquet", data_dir=str(version / "tokenized"), split="train")
     assert tokenized.num_rows == c["published"]
@@ -91,11 +91,11 @@ def test_demo_dag_runs_green_on_seven_emulated_servers(dag, run_params, no_lefto
     # What the model saw is what the trainer renders, on every sample: the prompt the pipeline sent (its request),
     # its tools as SGLang 0.5.23 hands them to the template (`template_tools`, held against SGLang's own models in
     # tests/contract/test_sglang_contract.py), rendered by the template, is the start of the sample's input_ids.
-    from dflash_regen.config import RunConfig
-    from dflash_regen.generator import chat_payload
-    from dflash_regen.tokenize import _with_parsed_arguments
+    from dflash_regen.chat.template import _with_parsed_arguments
+    from dflash_regen.generate.samples import chat_payload
+    from dflash_regen.settings.run_config import RunConfig
 
-    generation, dialect = RunConfig.from_params(conf, dag_run.run_id).generation, sglang.Dialect(sglang.NEWEST_CHECKED)
+    generation, dialect = RunConfig.from_params(conf, dag_run.run_id).generation, Dialect(NEWEST_CHECKED)
     sent = {r["sample_id"]: r for p in run.shard_files() for r in pq.read_table(p).to_pylist()}
     for row in tokenized:
         prompt = sent[row["sample_id"]]
@@ -118,10 +118,10 @@ def test_demo_dag_runs_green_on_seven_emulated_servers(dag, run_params, no_lefto
 def test_whole_dag_is_green_in_the_oldest_supported_sglangs_mode_on_loopback_and_never_logs_the_key(
         dag, run_params, no_leftover_servers, caplog, capfd):
     conf = run_params(2, shard_size=1000, calibration_prompts=0,  # one shard
-                      emulator_profile={**FAST_PROFILE, "sglang_version": sglang.OLDEST})
+                      emulator_profile={**FAST_PROFILE, "sglang_version": OLDEST})
     dag_run = dag.test(run_conf=conf)
     assert dag_run.state == "success", states(dag_run)
-    assert_ran_in_versions_mode(layout_of(conf, dag_run), sglang.OLDEST)
+    assert_ran_in_versions_mode(layout_of(conf, dag_run), OLDEST)
     # Security: servers listen on loopback only, and the API key is in no log, spec or server log.
     fleet = layout_of(conf, dag_run).fleet
     key = fleet.api_key.read_text().strip()

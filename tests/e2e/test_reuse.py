@@ -14,10 +14,12 @@ from pathlib import Path
 import pyarrow.parquet as pq
 from dag_helpers import check_invariants, layout_of, states
 
-from dflash_regen import run_report, runlock, smoke, store
-from dflash_regen.config import safe_run_id
-from dflash_regen.demo_prompts import write_demo_prompts
+from dflash_regen.demo.prompts import write_demo_prompts
+from dflash_regen.fleet import runlock, smoke
+from dflash_regen.generate import store
 from dflash_regen.layout import COMPLETIONS, runs_dir, store_dir
+from dflash_regen.settings.run_config import safe_run_id
+from dflash_regen.ui.fleet_page import fleet_report
 
 CHAT = '"POST /v1/chat/completions HTTP/1.1" 200'
 FLEET_TASKS = ("stage_weights", "launch_fleet", "health_check", "smoke_test", "autotune", "calibrate", "stop_fleet")
@@ -72,7 +74,7 @@ def test_reruns_reuse_completions_by_fingerprint_and_send_only_what_is_missing(d
     assert runlock.read_holder(Path(conf_b["output_root"]))["run_id"] == run_b.run_id  # the run lock still holds
     plan_b = json.loads(run.report("plan").read_text())["reuse"]
     assert plan_b["reused"] == accepted and plan_b["to_generate"] == 0
-    fleet_b = run_report.fleet_report(run.run_dir)["progress"]  # the Fleet page counts only what is left
+    fleet_b = fleet_report(run.run_dir)["progress"]  # the Fleet page counts only what is left
     assert (fleet_b["planned"], fleet_b["left"], fleet_b["reused"]) == (0, 0, accepted), fleet_b
     b = completions(conf_b, run_b)
     assert {r["source_run"] for r in b.values()} == {a_id}
@@ -105,7 +107,7 @@ def test_reruns_reuse_completions_by_fingerprint_and_send_only_what_is_missing(d
     assert run_c.state == "success", states(run_c)
     assert generation_requests(conf_c, run_c) == 30
     assert json.loads(layout_of(conf_c, run_c).report("plan").read_text())["reuse"]["to_generate"] == 30
-    fleet_c = run_report.fleet_report(layout_of(conf_c, run_c).run_dir)["progress"]
+    fleet_c = fleet_report(layout_of(conf_c, run_c).run_dir)["progress"]
     assert (fleet_c["planned"], fleet_c["done"], fleet_c["reused"]) == (30, 30, accepted), fleet_c
     c = completions(conf_c, run_c)
     assert len(c) == accepted + 30 and sum(r["source_run"] == a_id for r in c.values()) == accepted

@@ -18,7 +18,7 @@ import pytest
 from conftest import tmpfs
 from dag_helpers import check_invariants, layout_of, logs, states
 
-from dflash_regen.demo_prompts import demo_rows
+from dflash_regen.demo.prompts import demo_rows
 from dflash_regen.layout import COMPLETIONS
 
 pytestmark = pytest.mark.usefixtures("no_leftover_servers")

@@ -15,8 +15,8 @@ import pyarrow.parquet as pq
 from conftest import processes_mentioning
 from live_airflow import completion_ids, published_manifest, run_dir
 
-from dflash_regen.config import safe_run_id
 from dflash_regen.layout import COMPLETIONS, FAILURES, RunLayout
+from dflash_regen.settings.run_config import safe_run_id
 
 SHARD_LINE = re.compile(r"shard (\d+) on .*?: (\d+) prompts, (\d+) done before, (\d+) quarantined before, "
                         r"(\d+) to send")

@@ -4,12 +4,14 @@ import json
 import re
 import time
 
-from dflash_regen import autotune, dag_tasks, probes
-from dflash_regen.config import RunConfig
-from dflash_regen.demo_prompts import write_demo_prompts
+from dflash_regen import tasks
+from dflash_regen.capacity import autotune
+from dflash_regen.capacity.health import health_gate
+from dflash_regen.demo.prompts import write_demo_prompts
 from dflash_regen.emulator.faults import PRESETS, Profile
 from dflash_regen.layout import FleetFiles
-from dflash_regen.planning import plan_shards
+from dflash_regen.prompts.planning import plan_shards
+from dflash_regen.settings.run_config import RunConfig
 
 # The synthetic preset: MTP pays alone and loses at 16 running, so "MTP off at 16" is the known optimum.
 PROFILE = {"preset": "synthetic-known-optimum"}
@@ -30,7 +32,7 @@ def prepared(launch, tmp_path, prompts: int, shard_size: int, **params):
     settings = type(cfg.plan)(shard_size=shard_size, sampling=cfg.plan.sampling,
                               context_length=cfg.plan.context_length, max_bad_share=1.0)
     plan = plan_shards(source, cfg.layout, settings)
-    dag_tasks.write_report(cfg, "health", probes.health_gate(servers, key, cfg.fleet))
+    tasks.write_report(cfg, "health", health_gate(servers, key, cfg.fleet))
     return cfg, plan
 
 
@@ -46,7 +48,7 @@ def test_apply_picks_the_known_optimum_relaunches_the_fleet_with_it_and_the_run_
     assert best == "MTP off at 16" and expected[best] > 1.1 * aggregate(16)
     assert aggregate(4) > aggregate(4, speculative=False)  # MTP still pays at the current batch
 
-    result = dag_tasks.autotune_fleet(launch.params, "test_run", str(tmp_path / "model"), plan["shards"])
+    result = tasks.autotune_fleet(launch.params, "test_run", str(tmp_path / "model"), plan["shards"])
     report = autotune.read_report(cfg.reports_dir)
     print(autotune.format_table(report))
     rows = {r["candidate"]: r for r in report["candidates"]}
@@ -72,7 +74,7 @@ def test_apply_picks_the_known_optimum_relaunches_the_fleet_with_it_and_the_run_
 
     started = time.monotonic()
     for shard in plan["shards"]:
-        done = dag_tasks.generate(launch.params, "test_run", {**shard, "run_prompts": plan["accepted"]})
+        done = tasks.generate(launch.params, "test_run", {**shard, "run_prompts": plan["accepted"]})
         assert done["completed"] == shard["prompts"]
     measured = time.monotonic() - started
     print(f"predicted {winner['wall_s']:.1f} s ({winner['wall_s_interval']}), measured {measured:.1f} s")
@@ -81,9 +83,9 @@ def test_apply_picks_the_known_optimum_relaunches_the_fleet_with_it_and_the_run_
 
 def test_candidates_that_crash_at_start_fail_smoke_or_run_out_of_kv_are_skipped_with_their_reason(launch, tmp_path):
     cfg, plan = prepared(launch, tmp_path, 60, 60, autotune="advise", autotune_candidate_s=3.0)
-    from dflash_regen import fleet
+    from dflash_regen.fleet.servers import stop_fleet
 
-    fleet.stop_fleet(cfg.fleet_dir)  # as tune() does: the first GPU's port is the candidates'
+    stop_fleet(cfg.fleet_dir)  # as tune() does: the first GPU's port is the candidates'
     tuner = autotune.Tuner(cfg, tmp_path / "model", plan["shards"], plan["accepted"])
     from dflash_regen import capacity
 

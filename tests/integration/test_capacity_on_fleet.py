@@ -8,11 +8,13 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 
-from dflash_regen import capacity, fleet, generation, probes
-from dflash_regen.demo_prompts import demo_rows, write_demo_prompts
-from dflash_regen.fleet import load_servers
+from dflash_regen import capacity
+from dflash_regen.capacity.health import health_gate
+from dflash_regen.demo.prompts import demo_rows, write_demo_prompts
+from dflash_regen.fleet.servers import lease, load_servers
+from dflash_regen.generate.shard import ShardPaths, generate_shard
 from dflash_regen.layout import RunLayout
-from dflash_regen.planning import plan_shards
+from dflash_regen.prompts.planning import plan_shards
 
 # Per-request decode 400 tok/s alone, 3,000 tok/s aggregate ceiling: 16 running requests make ~2,100 tok/s
 # per server, each request ~133 tok/s, so a 300-token answer takes ~2.3 s. Few enough tokens per second that
@@ -38,7 +40,7 @@ def planned(cfg, tmp_path, n, shard_size):
 def test_calibration_finds_the_emulators_known_curve_and_predicts_a_run_it_never_saw(launch, tmp_path):
     cfg, servers, key = launch(num_servers=2, emulator_profile=KNOWN_CURVE)
     plan = planned(cfg, tmp_path, 192, shard_size=48)  # 4 shards (the 2 malformed demo rows are dropped)
-    health = probes.health_gate(servers, key, cfg.fleet)
+    health = health_gate(servers, key, cfg.fleet)
     shape = capacity.RunShape(prompts=plan["accepted"], servers=2, shard_size=48)
     # Calibrate on other prompts (other ids, so other per-sample seeds) and another run seed than the run's, so
     # the prediction is not the measured run's own output lengths played back.
@@ -69,9 +71,9 @@ def test_calibration_finds_the_emulators_known_curve_and_predicts_a_run_it_never
 
     # The run, as Airflow runs it: two shard tasks at a time, each leasing a free server.
     def run(shard):
-        with fleet.lease(cfg.fleet_dir, load_servers(cfg.fleet_dir), shard["shard"], wait_s=30) as server:
-            paths = generation.ShardPaths.of(cfg.layout, shard["shard"], Path(shard["path"]))
-            return generation.generate_shard(paths, server, key, cfg.generation, fleet_dir=cfg.fleet_dir)
+        with lease(cfg.fleet_dir, load_servers(cfg.fleet_dir), shard["shard"], wait_s=30) as server:
+            paths = ShardPaths.of(cfg.layout, shard["shard"], Path(shard["path"]))
+            return generate_shard(paths, server, key, cfg.generation, fleet_dir=cfg.fleet_dir)
 
     started = time.monotonic()
     with ThreadPoolExecutor(max_workers=2) as pool:
@@ -91,7 +93,7 @@ def test_a_kv_bound_server_is_named_kv_bound_with_flags_that_free_kv(launch, tmp
     cfg, servers, key = launch(num_servers=1, emulator_profile=KNOWN_CURVE, min_kv_tokens=0,
                                emulator_faults={"*": {"kv_tokens": 8000}})
     plan = planned(cfg, tmp_path, 32, shard_size=32)
-    health = probes.health_gate(servers, key, cfg.fleet)
+    health = health_gate(servers, key, cfg.fleet)
     shape = capacity.RunShape(prompts=plan["accepted"], servers=1, shard_size=32)
     report = capacity.calibrate(servers[0], key, health, plan["shards"], cfg.generation, shape, prompts=32)
     print(capacity.format_table(report))
@@ -106,23 +108,23 @@ def test_a_kv_bound_server_is_named_kv_bound_with_flags_that_free_kv(launch, tmp
 
 def test_a_run_can_apply_the_advised_client_concurrency_and_its_eta_uses_the_calibrated_rate(launch, tmp_path,
                                                                                               caplog):
-    from dflash_regen import dag_tasks
-    from dflash_regen.config import RunConfig
+    from dflash_regen import tasks
+    from dflash_regen.settings.run_config import RunConfig
 
     cfg, servers, key = launch(num_servers=1)  # the fast test profile: no saturation, 16 slots
     plan = planned(cfg, tmp_path, 40, shard_size=20)
-    health = probes.health_gate(servers, key, cfg.fleet)
+    health = health_gate(servers, key, cfg.fleet)
     shape = capacity.RunShape(prompts=plan["accepted"], servers=1, shard_size=20)
     report = capacity.calibrate(servers[0], key, health, plan["shards"], cfg.generation, shape, prompts=32)
-    dag_tasks.write_report(cfg, "capacity", report)
+    tasks.write_report(cfg, "capacity", report)
     assert report["advice"]["concurrency_per_server"] == 18
     params = {**launch.params, "apply_advised_concurrency": True}
     assert RunConfig.from_params(params, "test_run").capacity.apply_advised_concurrency
-    gen_log = logging.getLogger("dflash_regen.generation")
+    gen_log = logging.getLogger("dflash_regen.generate")
     gen_log.addHandler(caplog.handler)  # importing Airflow stops this logger's records reaching the root
     try:
-        with caplog.at_level("INFO", logger="dflash_regen.generation"):
-            result = dag_tasks.generate(params, "test_run", {**plan["shards"][0], "run_prompts": plan["accepted"]})
+        with caplog.at_level("INFO", logger="dflash_regen.generate"):
+            result = tasks.generate(params, "test_run", {**plan["shards"][0], "run_prompts": plan["accepted"]})
     finally:
         gen_log.removeHandler(caplog.handler)
     assert result["completed"] == 20
@@ -132,32 +134,32 @@ def test_a_run_can_apply_the_advised_client_concurrency_and_its_eta_uses_the_cal
 
 def test_a_rerun_of_calibrate_reuses_its_measurement_and_measures_again_when_a_setting_changed(launch, tmp_path):
     """A cleared shard re-runs the setups: calibrate must not spend the GPU's minutes measuring the same again."""
-    from dflash_regen import dag_tasks
-    from dflash_regen.sglang import Api
+    from dflash_regen import tasks
+    from dflash_regen.sglang.api import Api
 
     cfg, servers, key = launch(num_servers=1, calibration_prompts=32)
     plan = planned(cfg, tmp_path, 40, shard_size=20)
-    dag_tasks.write_report(cfg, "health", probes.health_gate(servers, key, cfg.fleet))
+    tasks.write_report(cfg, "health", health_gate(servers, key, cfg.fleet))
     launched = {"fleet_dir": str(cfg.fleet_dir)}
 
     def tokens_served() -> float:
         return capacity.read_metrics(Api(servers[0].url, key))[0]
 
-    first = dag_tasks.calibrate(launch.params, "test_run", launched, plan["shards"])
+    first = tasks.calibrate(launch.params, "test_run", launched, plan["shards"])
     served = tokens_served()
     assert first["calibrated"] and served > 0
-    assert dag_tasks.calibrate(launch.params, "test_run", launched, plan["shards"]) == first
+    assert tasks.calibrate(launch.params, "test_run", launched, plan["shards"]) == first
     assert tokens_served() == served, "the rerun measured again"
-    again = dag_tasks.calibrate({**launch.params, "calibration_prompts": 40}, "test_run", launched, plan["shards"])
+    again = tasks.calibrate({**launch.params, "calibration_prompts": 40}, "test_run", launched, plan["shards"])
     assert again["calibrated"] and tokens_served() > served, "a rerun with another sample size reused the old one"
-    served = tokens_served()  # other sampling, another curve (each Param: tests/unit/test_reuse_fingerprints.py)
-    dag_tasks.calibrate({**launch.params, "calibration_prompts": 40, "temperature": 0.9}, "test_run", launched,
+    served = tokens_served()  # other sampling, another curve (each Param: tests/unit/capacity/test_fingerprints.py)
+    tasks.calibrate({**launch.params, "calibration_prompts": 40, "temperature": 0.9}, "test_run", launched,
                         plan["shards"])
     assert tokens_served() > served, "a rerun with another temperature reused the old measurement"
     # the prediction is for what is left to generate: the completion store supplied the rest (issue 24)
     assert capacity.read_report(cfg.node_reports_dir)["run"]["prompts"] == 40
     left = [{**s, "to_generate": 5} for s in plan["shards"]]
-    dag_tasks.calibrate({**launch.params, "calibration_prompts": 40}, "test_run", launched, left)
+    tasks.calibrate({**launch.params, "calibration_prompts": 40}, "test_run", launched, left)
     assert capacity.read_report(cfg.node_reports_dir)["run"]["prompts"] == 10
 
 

@@ -12,11 +12,12 @@ import pytest
 from airflow.sdk.exceptions import AirflowFailException
 from conftest import tmpfs
 
-from dflash_regen import dag_tasks, fleet
-from dflash_regen.config import RunConfig
-from dflash_regen.demo_model import write_demo_model
-from dflash_regen.demo_prompts import write_demo_prompts
+from dflash_regen import tasks
+from dflash_regen.demo.model import write_demo_model
+from dflash_regen.demo.prompts import write_demo_prompts
+from dflash_regen.fleet.servers import stop_fleet
 from dflash_regen.layout import COMPLETIONS
+from dflash_regen.settings.run_config import RunConfig
 
 RUN = "manual__2026-12-05T03:00:00+00:00"
 
@@ -55,46 +56,46 @@ def test_a_full_output_disk_fails_each_stage_clearly_and_the_run_resumes_once_sp
     with tmpfs(tmp_path / "out", "size=12m", "a small tmpfs (a real full disk) as the output root") as root:
         assert cfg.output_root == root
         try:
-            dag_tasks.launch_fleet(params, RUN, params["staging_dir"])
-            (shard,) = dag_tasks.plan_shards(params, RUN)
+            tasks.launch_fleet(params, RUN, params["staging_dir"])
+            (shard,) = tasks.plan_shards(params, RUN)
 
             # 1. A shard's checkpoints.
             filler = fill(root, leave=24_000)
             with pytest.raises(AirflowFailException) as full:
-                dag_tasks.generate(params, RUN, shard)
+                tasks.generate(params, RUN, shard)
             assert re.match(rf"^DiskFull: no space left on the disk of {parts} writing part-\S+\.parquet: {NEEDS}",
                             first_line(full)), first_line(full)
             assert not list(parts.glob("*.parquet")) and hidden_leftovers(root) == []
             filler.unlink()
-            generated = dag_tasks.generate(params, RUN, shard)
+            generated = tasks.generate(params, RUN, shard)
             ids = pq.read_table(generated["path"], columns=["sample_id"]).column("sample_id").to_pylist()
             assert len(ids) == len(set(ids)) == shard["prompts"] - generated["quarantined"]
 
             # 2. Tokenize.
             filler = fill(root, leave=24_000)
             with pytest.raises(AirflowFailException) as full:
-                dag_tasks.tokenize_shard(params, RUN, generated)
+                tasks.tokenize_shard(params, RUN, generated)
             assert re.match(rf"^DiskFull: no space left on the disk of {run.tokenized(0).parent} writing "
                             rf"{run.tokenized(0).name}: {NEEDS}", first_line(full)), first_line(full)
             assert not run.tokenized(0).exists() and hidden_leftovers(root) == []
             filler.unlink()
-            assert dag_tasks.tokenize_shard(params, RUN, generated)["samples"] == len(ids)
+            assert tasks.tokenize_shard(params, RUN, generated)["samples"] == len(ids)
 
             # 3. Publish (after the quality gate passed).
-            dag_tasks.validate(params, RUN, [shard])
+            tasks.validate(params, RUN, [shard])
             published = root / "published" / params["dataset_name"]
             filler = fill(root, leave=24_000)
             with pytest.raises(AirflowFailException) as full:
-                dag_tasks.publish_dataset(params, RUN)
+                tasks.publish_dataset(params, RUN)
             assert re.match(rf"^DiskFull: no space left on the disk of {published} writing {run.run_dir.name}: "
                             rf"{NEEDS}", first_line(full)), first_line(full)
             assert list(published.iterdir()) == [] and hidden_leftovers(root) == []  # no version, whole or half
             filler.unlink()
-            done = dag_tasks.publish_dataset(params, RUN)
+            done = tasks.publish_dataset(params, RUN)
             assert done["samples"] + done["quarantined"] == 40 + 2  # demo prompts: 40 good, 2 bad rows
             assert pq.read_table(Path(done["path"]) / "tokenized").num_rows == done["samples"]
         finally:
-            fleet.stop_fleet(cfg.fleet_dir)  # before the unmount: the server's log is on the tmpfs
+            stop_fleet(cfg.fleet_dir)  # before the unmount: the server's log is on the tmpfs
 
 
 def test_a_json_or_text_write_on_a_full_disk_leaves_the_old_file_whole_and_no_temporary(tmp_path):

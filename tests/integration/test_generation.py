@@ -13,12 +13,15 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from dflash_regen import checkpoints, fleet, generation, generator, schemas
-from dflash_regen.demo_prompts import write_demo_prompts
+from dflash_regen import schemas
+from dflash_regen.demo.prompts import write_demo_prompts
 from dflash_regen.errors import Drained, NoServerFree
-from dflash_regen.fleet import is_alive, load_servers
+from dflash_regen.fleet.servers import is_alive, launch_fleet, lease, load_servers
+from dflash_regen.generate import checkpoints
+from dflash_regen.generate import shard as generate_shard
+from dflash_regen.generate.samples import sample_seed
 from dflash_regen.layout import COMPLETIONS, FAILURES, shard_sources
-from dflash_regen.planning import plan_shards
+from dflash_regen.prompts.planning import plan_shards
 
 CHAT = '"POST /v1/chat/completions HTTP/1.1" 200'  # a chat request in a server's access log
 
@@ -36,10 +39,10 @@ def plan(cfg, tmp_path, n=40, shard_size=40, rows=None):
 
 def run_shard(cfg, key, descriptor, **settings):
     servers = load_servers(cfg.fleet_dir)
-    paths = generation.ShardPaths.of(cfg.layout, descriptor["shard"], Path(descriptor["path"]))
+    paths = generate_shard.ShardPaths.of(cfg.layout, descriptor["shard"], Path(descriptor["path"]))
     gen_settings = cfg.generation.__class__(**{**cfg.generation.__dict__, **settings})
-    with fleet.lease(cfg.fleet_dir, servers, descriptor["shard"], wait_s=5) as server:
-        return generation.generate_shard(paths, server, key, gen_settings, fleet_dir=cfg.fleet_dir), server
+    with lease(cfg.fleet_dir, servers, descriptor["shard"], wait_s=5) as server:
+        return generate_shard.generate_shard(paths, server, key, gen_settings, fleet_dir=cfg.fleet_dir), server
 
 
 def wait_dead(server, timeout_s=30):
@@ -65,7 +68,7 @@ def test_a_shard_completes_once_with_the_generation_mode_recorded(launch, tmp_pa
     assert pq.read_schema(cfg.layout.merged(FAILURES, 0)) == schemas.QUARANTINE  # empty, with its schema
     row = rows[0]
     assert row["enable_thinking"] and row["reasoning_parser"] == "qwen3" and row["served_model"] == "qwen3.6-27b"
-    assert row["temperature"] == pytest.approx(0.6) and row["seed"] == generator.sample_seed(row["sample_id"], 0)
+    assert row["temperature"] == pytest.approx(0.6) and row["seed"] == sample_seed(row["sample_id"], 0)
     assert all(r["reasoning_content"] and r["finish_reason"] in {"stop", "tool_calls"} for r in rows)
     assert any(r["tool_calls"] for r in rows)  # the demo set has tool prompts
     again, _ = run_shard(cfg, key, shard)
@@ -75,26 +78,26 @@ def test_a_shard_completes_once_with_the_generation_mode_recorded(launch, tmp_pa
 def test_leases_are_exclusive_and_a_dead_server_is_not_leased(launch):
     cfg, servers, _ = launch(num_servers=2)
     with ExitStack() as first_hold, ExitStack() as second_hold:
-        first = first_hold.enter_context(fleet.lease(cfg.fleet_dir, servers, 0, wait_s=1))
-        second = second_hold.enter_context(fleet.lease(cfg.fleet_dir, servers, 0, wait_s=1))
+        first = first_hold.enter_context(lease(cfg.fleet_dir, servers, 0, wait_s=1))
+        second = second_hold.enter_context(lease(cfg.fleet_dir, servers, 0, wait_s=1))
         assert first.index != second.index
         with pytest.raises(NoServerFree, match="stayed leased"):
-            with fleet.lease(cfg.fleet_dir, servers, 0, wait_s=0.5):
+            with lease(cfg.fleet_dir, servers, 0, wait_s=0.5):
                 pass
         first_hold.close()
         os.kill(second.pid, signal.SIGKILL)
         second_hold.close()
     wait_dead(second)
-    with fleet.lease(cfg.fleet_dir, servers, 0, wait_s=1) as server:
+    with lease(cfg.fleet_dir, servers, 0, wait_s=1) as server:
         assert server.index == first.index
 
 
 def test_a_lease_is_released_when_its_block_raises(launch):
     cfg, servers, _ = launch(num_servers=1)
     with pytest.raises(RuntimeError, match="the shard failed"):
-        with fleet.lease(cfg.fleet_dir, servers, 0, wait_s=1):
+        with lease(cfg.fleet_dir, servers, 0, wait_s=1):
             raise RuntimeError("the shard failed")
-    with fleet.lease(cfg.fleet_dir, servers, 0, wait_s=0.3) as server:  # free again at once, not after a wait
+    with lease(cfg.fleet_dir, servers, 0, wait_s=0.3) as server:  # free again at once, not after a wait
         assert server.index == servers[0].index
 
 
@@ -106,10 +109,10 @@ def test_a_dead_server_is_never_leased_whichever_server_a_shard_prefers(launch):
     while is_alive(dead) and time.monotonic() < deadline:
         time.sleep(0.05)
     for shard in range(4):  # every preference order, whatever it is, has the dead server first for some shard
-        with fleet.lease(cfg.fleet_dir, servers, shard, wait_s=1) as server:
+        with lease(cfg.fleet_dir, servers, shard, wait_s=1) as server:
             assert server.index == live.index, f"shard {shard} leased the dead {server.name}"
             with pytest.raises(NoServerFree):  # the live one is taken: the dead one is no fallback
-                with fleet.lease(cfg.fleet_dir, servers, shard, wait_s=0.3):
+                with lease(cfg.fleet_dir, servers, shard, wait_s=0.3):
                     pass
 
 
@@ -126,7 +129,7 @@ def test_server_killed_mid_shard_fails_over_with_nothing_lost_or_duplicated(laun
 
     killer = threading.Thread(target=kill_server_0_once_results_are_checkpointed)
     killer.start()
-    with pytest.raises(generation.ShardFailed) as failure:
+    with pytest.raises(generate_shard.ShardFailed) as failure:
         run_shard(cfg, key, shard, checkpoint_every=5, stall_s=5, request_retries=1)
     killer.join()
     assert cfg.layout.fleet.unhealthy(0).exists() and not is_alive(servers[0])
@@ -148,25 +151,25 @@ def test_server_killed_mid_shard_fails_over_with_nothing_lost_or_duplicated(laun
 
 def test_a_shard_that_failed_on_a_server_prefers_another_one_after_a_relaunch(launch, tmp_path, caplog):
     cfg, servers, _ = launch(num_servers=2)
-    generation.record_failure(cfg.fleet_dir, 0, servers[0], "the server process was killed by SIGKILL")
-    relaunched = fleet.launch_fleet(cfg.fleet, tmp_path / "model", cfg.fleet_dir)  # as a clear does
+    generate_shard.record_failure(cfg.fleet_dir, 0, servers[0], "the server process was killed by SIGKILL")
+    relaunched = launch_fleet(cfg.fleet, tmp_path / "model", cfg.fleet_dir)  # as a clear does
     assert not cfg.layout.fleet.unhealthy_markers()  # a fresh fleet: every server healthy again
-    avoid = generation.servers_failed_on(cfg.fleet_dir, 0)
+    avoid = generate_shard.servers_failed_on(cfg.fleet_dir, 0)
     assert avoid == {0: "the server process was killed by SIGKILL"}
     with ExitStack() as hold:
         with caplog.at_level("WARNING", logger="dflash_regen.fleet"):
-            server = hold.enter_context(fleet.lease(cfg.fleet_dir, relaunched, 0, wait_s=1, avoid=avoid))  # 0 -> 0
+            server = hold.enter_context(lease(cfg.fleet_dir, relaunched, 0, wait_s=1, avoid=avoid))  # 0 -> 0
         assert server.index == 1
         assert ("shard 0 failed on server 0 before (the server process was killed by SIGKILL); leased "
                 f"{relaunched[1].name} instead") in caplog.text
         # While the other server is busy, the shard waits for it rather than go back to server 0 ...
         with pytest.raises(NoServerFree):
-            with fleet.lease(cfg.fleet_dir, relaunched, 0, wait_s=0.5, avoid=avoid):
+            with lease(cfg.fleet_dir, relaunched, 0, wait_s=0.5, avoid=avoid):
                 pass
     # ... unless server 0 is the only healthy one left.
     os.kill(relaunched[1].pid, signal.SIGKILL)
     wait_dead(relaunched[1])
-    with fleet.lease(cfg.fleet_dir, relaunched, 0, wait_s=1, avoid=avoid) as again:
+    with lease(cfg.fleet_dir, relaunched, 0, wait_s=1, avoid=avoid) as again:
         assert again.index == 0
 
 
@@ -178,7 +181,7 @@ def test_shard_process_killed_while_checkpointing_resumes_from_its_parts(launch,
     script = f"""
 import json, sys
 sys.path.insert(0, {str(Path(__file__).parent)!r})
-from dflash_regen.config import RunConfig
+from dflash_regen.settings.run_config import RunConfig
 from test_generation import run_shard
 job = json.load(open({str(job)!r}))
 run_shard(RunConfig.from_params(job["params"], "test_run"), job["key"], job["shard"], checkpoint_every=3)
@@ -269,7 +272,7 @@ SHARD_PROCESS = """
 import json, os, signal, sys, time
 from pathlib import Path
 sys.path.insert(0, {tests!r})
-from dflash_regen.config import RunConfig
+from dflash_regen.settings.run_config import RunConfig
 from test_generation import run_shard
 job = json.load(open({job!r}))
 if job.get("die_on_part_unlink"):  # SIGKILL between the merged file's rename and the parts' removal
@@ -350,7 +353,7 @@ def test_a_prompt_two_servers_fail_is_quarantined_and_the_shard_goes_on(launch, 
     assert "Failed to apply the chat template" in failure["detail"]
     assert not cfg.layout.fleet.unhealthy_markers()  # both answer every other prompt: neither is unhealthy
     # Above the Param's share the shard fails at once, naming the Param and a refused sample.
-    with pytest.raises(generation.TooManyPromptErrors, match=r"refused 1 of 6 prompts \(16.7%\), above Param "
+    with pytest.raises(generate_shard.TooManyPromptErrors, match=r"refused 1 of 6 prompts \(16.7%\), above Param "
                                                              r"max_generate_error_share=10.0%; e.g. poison: http_500"):
         run_shard(cfg, key, shard, max_error_share=0.1)
 
@@ -382,7 +385,7 @@ def test_a_cluster_of_poison_prompts_leaves_a_healthy_server_healthy(launch, tmp
 def test_a_wrong_api_key_fails_the_shard_at_once_naming_the_setting(launch, tmp_path):
     cfg, servers, _ = launch(num_servers=1)
     shard = plan(cfg, tmp_path, n=6, shard_size=6)["shards"][0]
-    with pytest.raises(generation.AuthError, match="refused the API key with HTTP 401.*DFLASH_SGLANG_API_KEY"):
+    with pytest.raises(generate_shard.AuthError, match="refused the API key with HTTP 401.*DFLASH_SGLANG_API_KEY"):
         run_shard(cfg, "not-the-key", shard)
     # Not retried: the server saw each refused request once (6 prompts and the slots query), not once per retry.
     refused = Path(servers[0].log_path).read_text().count('HTTP/1.1" 401')
@@ -401,7 +404,7 @@ def test_a_drain_lets_the_requests_in_flight_finish_keeps_them_and_sends_nothing
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline and not list(parts.glob("part-*.parquet")):
             time.sleep(0.02)
-        generation.request_drain(cfg.layout, "alice")
+        generate_shard.request_drain(cfg.layout, "alice")
 
     drainer = threading.Thread(target=drain_once_results_are_checkpointed)
     drainer.start()
@@ -419,7 +422,7 @@ def test_a_drain_lets_the_requests_in_flight_finish_keeps_them_and_sends_nothing
     assert json.loads(cfg.layout.status(0).read_text())["attempts"][-1]["state"] == "drained"
 
     with pytest.raises(Drained):  # a shard whose task starts after the drain leases no server
-        generation.run_shard(cfg, shard)
+        generate_shard.run_shard(cfg, shard)
     assert Path(servers[0].log_path).read_text().count(CHAT) == sent
 
     cfg.layout.drain_request.unlink()  # what the relaunch of a clear does

@@ -6,10 +6,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from dflash_regen import quality, schemas, tokenized
-from dflash_regen.demo_model import write_demo_model
+from dflash_regen import quality, schemas
+from dflash_regen.chat.template import load_tokenizer
+from dflash_regen.demo.model import write_demo_model
 from dflash_regen.layout import RunLayout
-from dflash_regen.tokenize import load_tokenizer
+from dflash_regen.training.tokenize import tokenize_shard
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +37,7 @@ def test_a_dataset_of_87_percent_empty_answers_is_refused_naming_the_expectation
     rows += [completion(sid, thought, "A real answer with detail.") for sid in ids[87:]]
     pq.write_table(pa.Table.from_pylist(rows, schema=schemas.COMPLETION), tmp_path / "done.parquet")
     run = RunLayout(tmp_path / "run")
-    tokenized.tokenize_shard(tmp_path / "shard.parquet", tmp_path / "done.parquet", run, 0, tokenizer,
+    tokenize_shard(tmp_path / "shard.parquet", tmp_path / "done.parquet", run, 0, tokenizer,
                              include_reasoning=True)
     summary = pq.read_table(run.summary(0)).to_pylist()
     assert sum(r["loss_mask_sum"] == 6 for r in summary) == 87  # the seed's exact signature

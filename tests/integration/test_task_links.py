@@ -14,11 +14,13 @@ import pytest
 from airflow.sdk.exceptions import AirflowFailException
 from airflow.sdk.execution_time.context import set_current_context
 
-from dflash_regen import dag_tasks, fleet, runlock
-from dflash_regen.config import RunConfig, safe_run_id
-from dflash_regen.demo_model import write_demo_model
-from dflash_regen.demo_prompts import write_demo_prompts
+from dflash_regen import tasks
+from dflash_regen.demo.model import write_demo_model
+from dflash_regen.demo.prompts import write_demo_prompts
 from dflash_regen.errors import ShardFailed
+from dflash_regen.fleet import runlock
+from dflash_regen.fleet.servers import is_alive, load_servers, stop_fleet
+from dflash_regen.settings.run_config import RunConfig, safe_run_id
 
 RUN = "manual__2026-12-05T03:00:00+00:00"
 OTHER = "scheduled__2026-12-05T04:00:00+00:00"
@@ -63,7 +65,7 @@ def test_the_first_task_holds_the_run_lock_under_airflows_run_id(params):
         record = runlock.read_holder(root)
         assert (record["run_id"], record["run_dir"]) == (RUN, safe_run_id(RUN))
         # Another run, and the same run triggered again from another process, are refused by the first task.
-        for task, run_id in ((dag_tasks.stage_weights, OTHER), (dag_tasks.check_inputs, RUN)):
+        for task, run_id in ((tasks.stage_weights, OTHER), (tasks.check_inputs, RUN)):
             with pytest.raises(AirflowFailException) as refused:
                 task(p, run_id)
             assert str(refused.value).startswith(f"RunLocked: output root {root} is held by run {RUN!r} since ")
@@ -74,11 +76,11 @@ def test_the_first_task_holds_the_run_lock_under_airflows_run_id(params):
     # The holder's process is gone (the scheduler runs each task in its own process): Airflow, asked with the run's
     # own id, decides whether the run still lives.
     with AirflowSays({RUN: "running", OTHER: "running"}), pytest.raises(AirflowFailException) as refused:
-        dag_tasks.stage_weights(p, OTHER)
+        tasks.stage_weights(p, OTHER)
     assert str(refused.value).startswith(f"RunLocked: output root {root} is held by run {RUN!r}")
     assert "(Airflow reports it running)" in str(refused.value)
     with AirflowSays({RUN: "failed", OTHER: "running"}):
-        assert dag_tasks.stage_weights(p, OTHER)["model_path"] == p["staging_dir"]
+        assert tasks.stage_weights(p, OTHER)["model_path"] == p["staging_dir"]
     record = runlock.read_holder(root)
     assert (record["run_id"], record["run_dir"]) == (OTHER, safe_run_id(OTHER))
 
@@ -87,19 +89,19 @@ def test_launch_fleet_stops_the_servers_a_dead_run_left_behind(params):
     p = params(num_servers=2)
     old, new = (RunConfig.from_params(p, run_id) for run_id in (RUN, OTHER))
     try:
-        dag_tasks.check_inputs(p, RUN)
-        left = fleet.load_servers(old.fleet_dir) if dag_tasks.launch_fleet(p, RUN, p["model_source_dir"]) else []
-        assert len(left) == 2 and all(fleet.is_alive(s) for s in left)
+        tasks.check_inputs(p, RUN)
+        left = load_servers(old.fleet_dir) if tasks.launch_fleet(p, RUN, p["model_source_dir"]) else []
+        assert len(left) == 2 and all(is_alive(s) for s in left)
         # The run died before its teardown (its servers hold the ports). The next run takes the lock and launches
         # on the same ports: only after its launch_fleet stopped the dead run's servers.
-        dag_tasks.check_inputs(p, OTHER)
-        launched = dag_tasks.launch_fleet(p, OTHER, p["model_source_dir"])
+        tasks.check_inputs(p, OTHER)
+        launched = tasks.launch_fleet(p, OTHER, p["model_source_dir"])
         assert launched["fleet_dir"] == str(new.fleet_dir) and new.fleet_dir.parent.name == safe_run_id(OTHER)
-        assert not any(fleet.is_alive(s) for s in left)
-        assert all(fleet.is_alive(s) for s in fleet.load_servers(new.fleet_dir))
+        assert not any(is_alive(s) for s in left)
+        assert all(is_alive(s) for s in load_servers(new.fleet_dir))
     finally:
-        fleet.stop_fleet(old.fleet_dir)
-        fleet.stop_fleet(new.fleet_dir)
+        stop_fleet(old.fleet_dir)
+        stop_fleet(new.fleet_dir)
 
 
 def test_a_cleared_shard_avoids_the_server_it_crashed_on_after_a_relaunch(params, tmp_path):
@@ -108,30 +110,30 @@ def test_a_cleared_shard_avoids_the_server_it_crashed_on_after_a_relaunch(params
                max_bad_row_share=0.5, prompt_source=str(write_demo_prompts(tmp_path / "prompts.jsonl", 30)))
     cfg = RunConfig.from_params(p, RUN)
     try:
-        dag_tasks.launch_fleet(p, RUN, p["model_source_dir"])
-        (shard,) = dag_tasks.plan_shards(p, RUN)
+        tasks.launch_fleet(p, RUN, p["model_source_dir"])
+        (shard,) = tasks.plan_shards(p, RUN)
         with pytest.raises(ShardFailed, match=r"^shard 0 failed on server 0 .*: the server process "):
-            dag_tasks.generate(p, RUN, shard)
+            tasks.generate(p, RUN, shard)
         # A clear re-runs the fleet setups: a fresh fleet, server 0 healthy again, before the shard runs again.
-        dag_tasks.launch_fleet(p, RUN, p["model_source_dir"])
+        tasks.launch_fleet(p, RUN, p["model_source_dir"])
         assert not cfg.layout.fleet.unhealthy_markers()
-        done = dag_tasks.generate(p, RUN, shard)
-        servers = fleet.load_servers(cfg.fleet_dir)
+        done = tasks.generate(p, RUN, shard)
+        servers = load_servers(cfg.fleet_dir)
         assert done["server"] == servers[1].name and done["completed"] + done["quarantined"] == shard["prompts"]
-        assert fleet.is_alive(servers[0])  # not sent there again: it would have crashed once more
+        assert is_alive(servers[0])  # not sent there again: it would have crashed once more
     finally:
-        fleet.stop_fleet(cfg.fleet_dir)
+        stop_fleet(cfg.fleet_dir)
 
 
 def test_the_first_task_checks_the_output_root_and_the_prompt_source_before_any_gpu_work(params, tmp_path):
     (tmp_path / "a-file").write_text("not a folder")
     with pytest.raises(AirflowFailException) as bad_root:
-        dag_tasks.stage_weights(params(output_root=str(tmp_path / "a-file" / "out")), RUN)
+        tasks.stage_weights(params(output_root=str(tmp_path / "a-file" / "out")), RUN)
     assert str(bad_root.value).startswith(f"ConfigError: Param output_root '{tmp_path / 'a-file' / 'out'}'")
     (tmp_path / "bad.jsonl").write_text('{"messages": []}\n{"broken\n')
     p = params(prompt_source=str(tmp_path / "bad.jsonl"))
     with pytest.raises(AirflowFailException) as bad_source:
-        dag_tasks.stage_weights(p, RUN)
+        tasks.stage_weights(p, RUN)
     assert str(bad_source.value).startswith(f"ConfigError: Param prompt_source '{tmp_path / 'bad.jsonl'}': none of")
     assert not Path(p["staging_dir"]).exists()  # refused before staging the weights
 
@@ -143,12 +145,12 @@ def test_plan_shards_refuses_more_shards_than_airflow_can_map(params, tmp_path, 
     with pytest.raises(AirflowFailException, match=r"^PlanFailed: 30 prompts in shards of 10 make 3 shards, more "
                                                    r"than the 2 mapped tasks Airflow allows .*set Param shard_size "
                                                    r"to at least 15"):
-        dag_tasks.plan_shards(p, RUN)
+        tasks.plan_shards(p, RUN)
 
 
 def test_check_published_fails_a_run_that_published_nothing(params):
     with pytest.raises(AirflowFailException, match=rf"^PublishRefused: run {safe_run_id(RUN)} published nothing"):
-        dag_tasks.check_published(params(), RUN)
+        tasks.check_published(params(), RUN)
 
 
 def test_a_node_decides_afresh_whether_it_takes_part_when_the_same_run_id_runs_again(params):
@@ -160,7 +162,7 @@ def test_a_node_decides_afresh_whether_it_takes_part_when_the_same_run_id_runs_a
     for name in ("ready", "left_out"):
         cfg.layout.node_report(name).parent.mkdir(parents=True, exist_ok=True)
         cfg.layout.node_report(name).write_text('{"node": "b200", "error": "from the earlier run"}')
-    dag_tasks.stage_node(p, RUN, {"model_source": p["model_source_dir"]}, node=node)
+    tasks.stage_node(p, RUN, {"model_source": p["model_source_dir"]}, node=node)
     assert not cfg.layout.node_report("ready").exists() and not cfg.layout.node_report("left_out").exists()
 
 
@@ -173,5 +175,5 @@ def test_publish_refuses_a_run_whose_quality_gate_failed_even_when_cleared_alone
     cfg.layout.report("quality").parent.mkdir(parents=True, exist_ok=True)
     cfg.layout.report("quality").write_text(json.dumps({"success": False}))
     with pytest.raises(AirflowFailException, match=r"^GateFailed: the quality report says the gate failed"):
-        dag_tasks.publish_dataset(p, RUN)
+        tasks.publish_dataset(p, RUN)
     assert not cfg.publish_dir.exists()

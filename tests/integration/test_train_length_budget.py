@@ -6,12 +6,13 @@ from dataclasses import replace
 import pyarrow.parquet as pq
 import pytest
 
-from dflash_regen import dag_tasks, quality, tokenized
-from dflash_regen.demo_model import write_demo_model
-from dflash_regen.demo_prompts import write_demo_prompts
-from dflash_regen.planning import TokenCounter, plan_shards
-from dflash_regen.prompts import Prompt
-from dflash_regen.tokenize import load_tokenizer
+from dflash_regen import quality, tasks
+from dflash_regen.chat.template import load_tokenizer
+from dflash_regen.demo.model import write_demo_model
+from dflash_regen.demo.prompts import write_demo_prompts
+from dflash_regen.prompts.formats import Prompt
+from dflash_regen.prompts.planning import TokenCounter, plan_shards
+from dflash_regen.training.tokenize import tokenize_shard
 
 TRAIN_MAX_LENGTH = 1200  # below most answers (mean ~1,820 tokens): most samples are cut
 
@@ -30,7 +31,7 @@ def test_samples_cut_at_the_training_length_are_kept_marked_and_not_counted_as_t
     assert settings.count_tokens  # the budget has planning count every prompt
     plan = plan_shards(source, cfg.layout, settings)
     shard = plan["shards"][0]
-    done = dag_tasks.generate(launch.params, "test_run", {**shard, "run_prompts": plan["accepted"]})
+    done = tasks.generate(launch.params, "test_run", {**shard, "run_prompts": plan["accepted"]})
     counter = TokenCounter()  # planning's count of a prompt's tokens, stored in the shard
     prompts = {r["sample_id"]: r["prompt_tokens"] for r in pq.read_table(shard["path"]).to_pylist()}
     assert all(n == counter.count(Prompt(r["sample_id"], json.loads(r["messages"]),
@@ -45,7 +46,7 @@ def test_samples_cut_at_the_training_length_are_kept_marked_and_not_counted_as_t
     assert any(not r["content"] for r in cut)  # some were cut inside their thinking: reasoning only
 
     run = cfg.layout
-    tokenized.tokenize_shard(run.shard(shard["shard"]), done["path"], run, shard["shard"], tokenizer,
+    tokenize_shard(run.shard(shard["shard"]), done["path"], run, shard["shard"], tokenizer,
                              include_reasoning=True)
     summary = pq.read_table(run.summary(shard["shard"])).to_pylist()
     assert max(r["n_tokens"] for r in summary) <= TRAIN_MAX_LENGTH  # nothing past what the trainer reads

@@ -22,7 +22,7 @@ import pytest
 from conftest import free_port_block, processes_mentioning
 from live_airflow import LiveAirflow, completion_ids, descendants, published_manifest, run_dir
 
-from dflash_regen.demo_prompts import write_demo_prompts
+from dflash_regen.demo.prompts import write_demo_prompts
 from dflash_regen.layout import COMPLETIONS, RunLayout
 
 pytestmark = pytest.mark.celery

@@ -4,8 +4,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from dflash_regen.config import RunConfig
 from dflash_regen.layout import COMPLETIONS, FAILURES, FleetFiles, RunLayout, counted_files, shard_of, shard_sources
+from dflash_regen.settings.run_config import RunConfig
 
 
 def rows(path, *ids):

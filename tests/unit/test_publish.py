@@ -116,7 +116,7 @@ def tokenized_run(tmp_path):
     """A run folder as tokenize and the quality gate leave it: shard 0 holds a quarantined sample, shard 1 none
     (its one answer holds U+2028, which str.splitlines splits at)."""
     from dflash_regen import atomic
-    from dflash_regen.conversation import specforge_record
+    from dflash_regen.chat.conversation import specforge_record
     from dflash_regen.schemas import TOKENIZED
 
     run = RunLayout(tmp_path / "run")

@@ -2,7 +2,8 @@
 
 import pytest
 
-from dflash_regen.quality import QualitySettings, apply_row_rules, repetition_score, row_problem, run_suite
+from dflash_regen.quality import QualitySettings, apply_row_rules, row_problem, run_suite
+from dflash_regen.training.tokenize import repetition_score
 
 S = QualitySettings()
 

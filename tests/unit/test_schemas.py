@@ -6,12 +6,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from dflash_regen import quality, schemas, tokenized
-from dflash_regen.config import SamplingConfig
-from dflash_regen.demo_model import write_demo_model
+from dflash_regen import quality, schemas
+from dflash_regen.chat.template import load_tokenizer
+from dflash_regen.demo.model import write_demo_model
 from dflash_regen.layout import COMPLETIONS, RunLayout
-from dflash_regen.planning import PlanSettings, plan_shards
-from dflash_regen.tokenize import load_tokenizer
+from dflash_regen.prompts.planning import PlanSettings, plan_shards
+from dflash_regen.settings.run_config import SamplingConfig
+from dflash_regen.training.tokenize import tokenize_shard
 
 SAMPLING = SamplingConfig(max_tokens=100, temperature=0.6, top_p=0.95, top_k=20, min_p=0.0, presence_penalty=0.0,
                           enable_thinking=True)
@@ -58,7 +59,7 @@ def test_a_tokenized_shard_and_its_summary_read_back_with_their_schemas(tmp_path
     completions = run.merged(COMPLETIONS, 0)
     completions.parent.mkdir(parents=True)
     pq.write_table(pa.Table.from_pylist(rows, schema=schemas.COMPLETION), completions)
-    result = tokenized.tokenize_shard(run.shard(0), completions, run, 0, tokenizer, include_reasoning=True)
+    result = tokenize_shard(run.shard(0), completions, run, 0, tokenizer, include_reasoning=True)
     assert result["samples"] == 2
     assert pq.read_schema(run.tokenized(0)) == schemas.TOKENIZED
     assert pq.read_schema(run.summary(0)) == schemas.SUMMARY

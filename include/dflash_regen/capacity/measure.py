@@ -13,11 +13,11 @@ import time
 import numpy as np
 import pyarrow.parquet as pq
 
-from dflash_regen.config import GenerationSettings
 from dflash_regen.errors import Cancelled, CapacityError, MetricsMissing, PromptError, TransientError
-from dflash_regen.fleet import Server
-from dflash_regen.generator import chat_payload, sample_seed
-from dflash_regen.sglang import Api, ChatResult, make_session, reasoning_tokens, with_retries
+from dflash_regen.fleet.servers import Server
+from dflash_regen.settings.run_config import GenerationSettings, sample_seed
+from dflash_regen.sglang.api import Api
+from dflash_regen.sglang.http import ChatResult, chat_payload, make_session, reasoning_tokens, with_retries
 
 log = logging.getLogger(__name__)
 
@@ -91,8 +91,9 @@ class _Level:
         while not self.stop.is_set() and (row := self._next()) is not None:
             messages = json.loads(row["messages"])
             tools = json.loads(row["tools"]) if row["tools"] else None
-            payload = chat_payload(messages, tools, self.settings, sample_seed(row["sample_id"], self.settings.seed),
-                                   self.settings.sampling.max_tokens)
+            s = self.settings
+            payload = chat_payload(messages, tools, s.sampling, model=s.served_model, max_tokens=s.sampling.max_tokens,
+                                   seed=sample_seed(row["sample_id"], s.seed))
             try:
                 result = with_retries(lambda p=payload: self.api.stream(p, stall_s=self.settings.stall_s,
                                                                         cap_s=self.settings.request_cap_s,

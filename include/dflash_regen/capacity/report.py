@@ -22,9 +22,9 @@ from dflash_regen.capacity.model import (
     running_batch,
     train_length_budget,
 )
-from dflash_regen.config import GenerationSettings, RunConfig
 from dflash_regen.errors import CapacityError, TooFewPrompts
-from dflash_regen.fleet import Server
+from dflash_regen.fleet.servers import Server
+from dflash_regen.settings.run_config import GenerationSettings, RunConfig
 
 REPORT = "capacity.json"
 SCHEMA_VERSION = 1

@@ -1,0 +1,119 @@
+"""The deployment's environment, read in one place: the defaults a GPU node's docker-compose sets once.
+
+No Airflow import: the DAG calls `deployment()` when it is parsed, and `params.defaults` (so
+`config.DEFAULTS`) takes the Param defaults from it.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from dflash_regen.errors import ConfigError
+from dflash_regen.settings.nodes import NODES_ENV
+
+EMULATOR = "emulator"
+DEMO_MODEL = "demo"
+DEMO_PROMPTS = "demo"
+
+
+@dataclass(frozen=True)
+class Deployment:
+    """What a deployment sets once in the environment, read by `deployment()` (an empty variable counts as unset;
+    the fallbacks run the demo):
+
+    Param defaults (the trigger form shows them; a run can still override each):
+      DFLASH_MODEL_SOURCE      model_source_dir        (demo)
+      DFLASH_STAGING_DIR       staging_dir             ('' = /dev/shm/<model name>)
+      DFLASH_SERVER_COMMAND    server_command          (emulator)
+      DFLASH_BASE_PORT         base_port               (30000)
+      DFLASH_PROMPT_SOURCE     prompt_source           (demo)
+      DFLASH_OUTPUT_ROOT       output_root             (~/dflash-regen)
+      DFLASH_EMULATOR_PROFILE  emulator_profile        (JSON object; {} = the emulator's default)
+      DFLASH_SHARD_SIZE        shard_size              ('' = the Param table's; `make airflow` sizes it for the demo)
+    Read when the DAG is parsed (not Params: Airflow fixes them per task, not per run):
+      DFLASH_PARALLEL_SHARDS   generate tasks running at once (7)
+      DFLASH_GENERATE_RETRIES  retries of a failed shard (3; 0 leaves it for a human to clear)
+      DFLASH_WORKER_QUEUE      the Celery queue of every task ('' = Airflow's default queue)
+      DFLASH_NODES             several GPU nodes, a JSON list (dflash_regen.nodes; '' = one node)
+    Read by the report pages (the api-server):
+      DFLASH_SERVED_ROOTS      more output roots whose runs the pages show, ':'-separated ('' = only output_root);
+                               a run whose conf names another root is refused, so a conf cannot open any path
+    """
+
+    model_source: str = DEMO_MODEL
+    staging_dir: str = ""
+    server_command: str = EMULATOR
+    base_port: int = 30000
+    prompt_source: str = DEMO_PROMPTS
+    output_root: str = field(default_factory=lambda: str(Path.home() / "dflash-regen"))
+    emulator_profile: dict = field(default_factory=dict)
+    shard_size: int = 0  # 0: the Param table's default
+    parallel_shards: int = 7
+    generate_retries: int = 3
+    worker_queue: str = ""
+    nodes: str = ""  # parsed by dflash_regen.nodes.parse_nodes, which owns the format
+    served_roots: str = ""
+
+    def report_roots(self) -> list[Path]:
+        """The output roots the report pages may read: the default one first, then DFLASH_SERVED_ROOTS."""
+        roots = [r.strip() for r in (self.output_root, *self.served_roots.split(os.pathsep)) if r.strip()]
+        relative = [r for r in roots if not os.path.isabs(r)]
+        if relative:
+            raise ConfigError(f"DFLASH_SERVED_ROOTS / DFLASH_OUTPUT_ROOT name relative paths {relative}: give "
+                              "absolute paths, ':'-separated")
+        return list(dict.fromkeys(Path(os.path.normpath(r)) for r in roots))
+
+    def param_defaults(self) -> dict[str, Any]:
+        return {"model_source_dir": self.model_source, "staging_dir": self.staging_dir,
+                "server_command": self.server_command, "base_port": self.base_port,
+                "prompt_source": self.prompt_source, "output_root": self.output_root,
+                "emulator_profile": copy.deepcopy(self.emulator_profile)} | \
+            ({"shard_size": self.shard_size} if self.shard_size else {})
+
+
+_ENV = {"model_source": "DFLASH_MODEL_SOURCE", "staging_dir": "DFLASH_STAGING_DIR",
+        "server_command": "DFLASH_SERVER_COMMAND", "base_port": "DFLASH_BASE_PORT",
+        "prompt_source": "DFLASH_PROMPT_SOURCE", "output_root": "DFLASH_OUTPUT_ROOT",
+        "emulator_profile": "DFLASH_EMULATOR_PROFILE", "shard_size": "DFLASH_SHARD_SIZE",
+        "parallel_shards": "DFLASH_PARALLEL_SHARDS",
+        "generate_retries": "DFLASH_GENERATE_RETRIES", "worker_queue": "DFLASH_WORKER_QUEUE", "nodes": NODES_ENV,
+        "served_roots": "DFLASH_SERVED_ROOTS"}
+
+
+def deployment(environ: Mapping[str, str] | None = None) -> Deployment:
+    """The deployment's settings from the environment (see `Deployment`); a bad value names its variable."""
+    environ = os.environ if environ is None else environ
+    found: dict[str, Any] = {}
+    for f in fields(Deployment):
+        name = _ENV[f.name]
+        text = (environ.get(name) or "").strip()
+        if not text:
+            continue
+        if f.type == "int":
+            try:
+                found[f.name] = int(text)
+            except ValueError:
+                raise ConfigError(f"environment variable {name} = {text!r} is not an integer; unset it or give a "
+                                  "whole number") from None
+        elif f.type == "dict":
+            found[f.name] = _env_object(name, text)
+        else:
+            found[f.name] = text
+    return Deployment(**found)
+
+
+def _env_object(name: str, text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise ConfigError(f"environment variable {name} is not valid JSON ({exc}); unset it or give a JSON "
+                          'object such as {"decode_tokens_per_s": 3000}') from exc
+    if not isinstance(value, dict):
+        raise ConfigError(f"environment variable {name} must be a JSON object, got {type(value).__name__}")
+    return value

@@ -1,0 +1,129 @@
+"""The tokenize stage for one shard: completions in, tokenized rows + quality summary + conversations out.
+
+Reads the shard's prompts and completions, builds each sample's training conversation, tokenizes it with
+the model's own chat template (`tokenize.tokenize_batch`: the whole shard through the Rust tokenizer in
+batches), and writes, each atomically:
+`tokenized/shard-XXXXX.parquet` (ids and mask), `tokenized/summary-XXXXX.parquet` (one quality row per
+sample, `schemas.SUMMARY`) and `tokenized/conversations-XXXXX.jsonl` (SpecForge records).
+A shard whose three files exist is not redone.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from dflash_regen import atomic
+from dflash_regen.chat import conversation
+from dflash_regen.chat.template import summarize_mask, tokenize_batch
+from dflash_regen.layout import RunLayout
+from dflash_regen.schemas import SUMMARY, TOKENIZED
+from dflash_regen.sglang.api import Dialect
+
+log = logging.getLogger(__name__)
+
+
+def repetition_score(text: str | None, n: int = 8) -> float:
+    """Share of word n-grams that repeat an earlier one: ~0 for prose, -> 1 for a loop."""
+    words = (text or "").split()
+    if len(words) < 2 * n:
+        return 0.0
+    grams = [tuple(words[i:i + n]) for i in range(len(words) - n + 1)]
+    return 1.0 - len(set(grams)) / len(grams)
+
+
+def tokenize_shard(prompts_path: Path, completions_path: Path, layout: RunLayout, shard: int, tokenizer, *,
+                   include_reasoning: bool, dialect: Dialect | None = None) -> dict:
+    """`dialect`: the SGLang version that generated the shard; its server's tools block (`template_tools`) is the
+    one rendered and published, so the trainer's prompt is the one the model answered."""
+    tokens_path, summary_path, conv_path = layout.tokenized(shard), layout.summary(shard), layout.conversations(shard)
+    if tokens_path.is_file() and summary_path.is_file() and conv_path.is_file():
+        return {"shard": shard, "samples": pq.read_metadata(tokens_path).num_rows, "skipped": True}
+    started = time.monotonic()
+    prompts = {r["sample_id"]: r for r in pq.read_table(prompts_path).to_pylist()}
+    think_end = tokenizer.convert_tokens_to_ids("</think>")
+    think_start, im_end = tokenizer.convert_tokens_to_ids("<think>"), tokenizer.convert_tokens_to_ids("<|im_end|>")
+    rows = pq.read_table(completions_path).to_pylist()
+    conversations = training_conversations(prompts, rows, dialect)
+    tokenized = tokenize_batch(tokenizer, conversations, include_reasoning=include_reasoning)
+    summary, records = [], []
+    for row, (turns, tools), (ids, mask) in zip(rows, conversations, tokenized, strict=True):
+        prompt = prompts[row["sample_id"]]
+        counts = summarize_mask(ids, mask, think_end)
+        summary.append({
+            "sample_id": row["sample_id"], "n_tokens": counts.n_tokens, "mask_len": len(mask),
+            "loss_mask_sum": counts.loss_mask_sum, "finish_reason": row["finish_reason"],
+            "content_chars": len((row["content"] or "").strip()), "reasoning_tokens": counts.reasoning_tokens,
+            "content_tokens": counts.content_tokens, "think_marker_leak": bool(row["think_marker_leak"]),
+            "tool_call_expected": bool(prompt["tools"]), "tool_call_present": bool(row["tool_calls"]),
+            "repetition_score": repetition_score(row["reasoning_content"]),
+            "enable_thinking": bool(row["enable_thinking"]),
+            # SpecForge also trains assistant turns after the last user turn; flag when those come from the input.
+            "history_from_input": _input_turns_after_last_user(json.loads(prompt["messages"])),
+            "truncated_at_train_length": bool(row.get("truncated_at_train_length")),
+            "rerender_token_delta": rerender_token_delta(ids, row, think_start, im_end),
+        })
+        records.append(json.dumps(conversation.specforge_record(row["sample_id"], turns, tools), ensure_ascii=False))
+    atomic.write_table(_tokens_table([row["sample_id"] for row in rows], summary, tokenized), tokens_path)
+    atomic.write_table(pa.Table.from_pylist(summary, schema=SUMMARY), summary_path)
+    atomic.write_lines(conv_path, records)
+    n_tokens = sum(r["n_tokens"] for r in summary)
+    seconds = time.monotonic() - started
+    log.info("shard %d: tokenized %d samples, %d tokens in %.1f s (%.0f tok/s)", shard, len(tokenized), n_tokens,
+             seconds, n_tokens / max(seconds, 1e-9))
+    return {"shard": shard, "samples": len(tokenized), "tokens": n_tokens, "skipped": False}
+
+
+def training_conversations(prompts: dict[str, dict], rows: list[dict], dialect: Dialect | None
+                           ) -> list[tuple[list[dict], list[dict] | None]]:
+    """(conversation, tools) of each completion row: its prompt row's turns plus the generated ones, and the tools
+    as `dialect`'s server handed them to the chat template (as sent when the version is unknown)."""
+    conversations = [conversation.from_rows(prompts[row["sample_id"]], row) for row in rows]
+    if dialect is None:
+        return conversations
+    return [(turns, dialect.template_tools(tools)) for turns, tools in conversations]
+
+
+def rerender_token_delta(ids: np.ndarray, row: dict, think_start: int, im_end: int) -> int | None:
+    """Tokens of the last generated turn as the trainer renders it from the parsed fields, minus the tokens the
+    server generated for it (`completion_tokens`, through its `<|im_end|>`): not 0 means the re-rendered text is not
+    the model's own (the template normalizes whitespace around `</think>` and trims the answer; tool-call values
+    come back re-serialized, e.g. `1.50` as `1.5`: tests/contract/test_sglang_contract.py). A count, not a text
+    comparison: the server's text is not returned. None where no comparison holds: thinking off (the prompt held
+    the empty think block), an answer cut by length (no `<|im_end|>` generated), no usage reported."""
+    if not row["enable_thinking"] or row["finish_reason"] == "length" or row.get("completion_tokens") is None:
+        return None
+    starts, ends = np.flatnonzero(ids == think_start), np.flatnonzero(ids == im_end)
+    if not len(starts) or not len(ends) or ends[-1] < starts[-1]:
+        return None
+    # The prompt ends with `<think>` and its "\n"; the server generated the rest through `<|im_end|>`.
+    return int(ends[-1] - starts[-1] - 1) - int(row["completion_tokens"])
+
+
+def _tokens_table(sample_ids: list[str], summary: list[dict], tokenized: list[tuple[np.ndarray, np.ndarray]]
+                  ) -> pa.Table:
+    """`schemas.TOKENIZED` rows, the id and mask lists built from the flat arrays (no Python list per token)."""
+    lengths = np.array([len(ids) for ids, _ in tokenized], dtype=np.int32)
+    offsets = pa.array(np.concatenate(([0], np.cumsum(lengths))).astype(np.int32))
+
+    def column(values: list[np.ndarray], name: str, dtype: np.dtype) -> pa.ListArray:
+        flat = np.concatenate(values) if values else np.array([], dtype=dtype)
+        return pa.ListArray.from_arrays(offsets, pa.array(flat.astype(dtype, copy=False)),
+                                        type=TOKENIZED.field(name).type)
+
+    return pa.Table.from_arrays([
+        pa.array(sample_ids, pa.string()), column([ids for ids, _ in tokenized], "input_ids", np.int32),
+        column([mask for _, mask in tokenized], "loss_mask", np.int8), pa.array(lengths, pa.int32()),
+        pa.array([r["loss_mask_sum"] for r in summary], pa.int32()),
+    ], schema=TOKENIZED)
+
+
+def _input_turns_after_last_user(messages: list[dict]) -> bool:
+    last_user = max(i for i, m in enumerate(messages) if m["role"] == "user")
+    return any(m["role"] == "assistant" for m in messages[last_user + 1:])

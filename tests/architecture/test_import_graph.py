@@ -1,0 +1,99 @@
+"""The package's import graph: stages import only earlier stages, and no module imports itself in a circle.
+
+The stages, in the order the pipeline runs them (docs/architecture.md draws the same list):
+"""
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[2] / "include" / "dflash_regen"
+FOUNDATION = ("errors", "atomic", "layout", "schemas")
+# A stage imports its own package and the stages before it (or beside it), never one after it.
+STAGES = [FOUNDATION, ("settings",), ("sglang",), ("chat",), ("prompts",), ("fleet",), ("capacity",), ("generate",),
+          ("training",), ("quality",), ("publish",), ("demo", "ui"), ("tasks",)]
+STANDALONE = ("emulator",)  # SGLang's stand-in: a separate process that imports nothing of ours
+
+
+def _modules() -> dict[str, Path]:
+    found = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(PACKAGE).with_suffix("").parts
+        name = ".".join(("dflash_regen", *parts))
+        found[name.removesuffix(".__init__")] = path
+    return found
+
+
+MODULES = _modules()
+
+
+def _imports(name: str, path: Path) -> set[str]:
+    """Every module of ours that `name` imports, at the top, inside functions or for type checking only."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names if a.name.startswith("dflash_regen")}
+        elif isinstance(node, ast.ImportFrom):
+            assert not node.level, f"{path}: relative import (the package imports by absolute name)"
+            base = node.module or ""
+            if not base.startswith("dflash_regen"):
+                continue
+            for alias in node.names:  # `from pkg import module`: the module; `from module import name`: the module
+                out.add(f"{base}.{alias.name}" if f"{base}.{alias.name}" in MODULES else base)
+    return {m for m in out if m != name}
+
+
+GRAPH = {name: _imports(name, path) for name, path in MODULES.items()}
+
+
+def _stage(module: str) -> str:
+    return module.split(".")[1] if module.count(".") else ""
+
+
+def _rank(stage: str) -> int:
+    return next(i for i, group in enumerate(STAGES) if stage in group)
+
+
+def test_every_module_belongs_to_a_stage():
+    stages = {_stage(m) for m in MODULES} - {""}
+    assert stages - set(STANDALONE) <= {s for group in STAGES for s in group}
+
+
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if not m.endswith("__main__")))
+def test_no_import_against_the_stage_order(module):
+    """`__main__` modules are command lines: they sit above every stage (they may launch the demo fleet)."""
+    stage = _stage(module)
+    if stage in STANDALONE:
+        assert not {m for m in GRAPH[module] if _stage(m) not in STANDALONE}, "the emulator imports nothing of ours"
+        return
+    late = sorted(m for m in GRAPH[module] if _rank(_stage(m)) > _rank(stage))
+    assert not late, f"{module} (stage {stage!r}) imports later stages: {late}"
+
+
+def test_no_import_circle():
+    """A module is imported with its package's `__init__`, so that edge counts too."""
+    edges = {m: set(targets) for m, targets in GRAPH.items()}
+    for m in MODULES:
+        parent = m.rpartition(".")[0]
+        if parent in MODULES and parent != "dflash_regen":
+            edges[m].add(parent)
+    for m in list(edges):
+        edges[m] = {t for t in edges[m] if t != m and not m.startswith(t + ".")}  # a package's own modules need it
+    seen, on_path, circles = set(), [], []
+
+    def visit(m):
+        if m in on_path:
+            circles.append(on_path[on_path.index(m):] + [m])
+            return
+        if m in seen:
+            return
+        seen.add(m)
+        on_path.append(m)
+        for t in sorted(edges.get(m, ())):
+            visit(t)
+        on_path.pop()
+
+    for m in sorted(edges):
+        visit(m)
+    assert not circles, "import circles: " + "; ".join(" -> ".join(c) for c in circles)

@@ -1,0 +1,82 @@
+"""Several nodes, the task bodies: a node that fails a gate is left out or fails the run (Param node_failure),
+and assign_shards splits the shards among the nodes that passed by their measured rate."""
+
+import json
+
+import pytest
+from airflow.sdk.exceptions import AirflowFailException, AirflowSkipException
+
+from dflash_regen import tasks
+from dflash_regen.settings.run_config import RunConfig
+
+NODES = {"fast": {"name": "fast", "queue": "q1", "gpus": "0,1"}, "slow": {"name": "slow", "queue": "q2", "gpus": "0"}}
+
+
+def shards(n, size=10):
+    return [{"shard": i, "prompts": size, "path": f"/x/{i}", "label": f"shard {i}"} for i in range(n)]
+
+
+def test_a_node_failing_a_gate_is_left_out_with_continue_and_fails_the_run_without(run_params):
+    params = run_params(node_failure="continue")
+    # health_check of a node whose fleet was never launched: a gate failure
+    cfg = RunConfig.from_params(params, "r1", node="slow")
+    launched = {"fleet_dir": str(cfg.fleet_dir)}
+    with pytest.raises(AirflowSkipException, match="node slow is left out of this run"):
+        tasks.health_check(params, "r1", launched, node=NODES["slow"])
+    record = json.loads(cfg.layout.node_report("left_out").read_text())
+    assert record["task"] == "health_check" and "re-run launch_fleet" in record["error"]
+    with pytest.raises(AirflowFailException):
+        tasks.health_check(run_params(node_failure="fail"), "r2", launched, node=NODES["slow"])
+    with pytest.raises(AirflowFailException):  # one node: no node, no leaving out
+        tasks.health_check(params, "r3", launched)
+
+
+def ready(params, run_id, name, prompts_per_s, servers=2):
+    path = RunConfig.from_params(params, run_id).layout.node_report("ready", name)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"node": name, "servers": servers, "prompts_per_s": prompts_per_s}))
+
+
+def test_assign_shards_by_calibrated_rate_and_writes_the_split(run_params):
+    params = run_params()
+    ready(params, "r", "fast", 3.0)
+    ready(params, "r", "slow", 1.0)
+    split = tasks.assign_shards(params, "r", shards(8), ["fast", "slow"])
+    assert [len(split["fast"]), len(split["slow"])] == [6, 2]
+    report = json.loads(RunConfig.from_params(params, "r").layout.report("assignment").read_text())
+    assert report["basis"] == "calibrated prompts/s" and report["nodes"]["slow"]["predicted_s"] == 20.0
+    assert report["nodes"]["fast"]["rate_share"] == 0.75
+
+
+def test_without_calibration_the_split_follows_healthy_servers(run_params):
+    params = run_params()
+    ready(params, "r", "fast", 3.0, servers=3)
+    ready(params, "r", "slow", None, servers=1)
+    split = tasks.assign_shards(params, "r", shards(8), ["fast", "slow"])
+    assert [len(split["fast"]), len(split["slow"])] == [6, 2]
+
+
+def test_a_left_out_node_gets_nothing_with_continue_and_fails_the_split_without(run_params):
+    params = run_params(node_failure="continue")
+    ready(params, "r", "fast", 3.0)
+    assert tasks.assign_shards(params, "r", shards(4), ["fast", "slow"]) == {"fast": shards(4), "slow": []}
+    with pytest.raises(AirflowFailException, match="nodes slow failed their setup.*node_failure"):
+        tasks.assign_shards(run_params(node_failure="fail"), "r", shards(4), ["fast", "slow"])
+    with pytest.raises(AirflowFailException, match="no node passed its gates"):
+        tasks.assign_shards(params, "empty", shards(4), ["fast", "slow"])
+
+
+def test_tokenize_renders_tools_in_the_dialect_of_the_version_each_nodes_fleet_ran(run_params):
+    from dflash_regen.errors import TokenizeError
+
+    params = run_params()
+    cfg = RunConfig.from_params(params, "r1", node="slow")
+    assert tasks._served_dialect(cfg) is None  # no fleet report: tools as sent
+    report = cfg.layout.node_report("health")
+    report.parent.mkdir(parents=True, exist_ok=True)
+    report.write_text(json.dumps({"servers": [{"version": "0.5.10"}, {"version": "0.5.10"}]}))
+    assert tasks._served_dialect(cfg).version == "0.5.10"
+    assert tasks._served_dialect(RunConfig.from_params(params, "r1", node="fast")) is None  # its own report
+    report.write_text(json.dumps({"servers": [{"version": "0.5.10"}, {"version": "0.5.23"}]}))
+    with pytest.raises(TokenizeError, match="ran SGLang 0.5.10, 0.5.23"):
+        tasks._served_dialect(cfg)
