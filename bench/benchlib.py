@@ -189,7 +189,8 @@ def plain_client(url: str, key: str, rows: list[dict], settings, threads: int = 
     """
     import requests
 
-    from dflash_regen.generate.samples import chat_payload, sample_seed
+    from dflash_regen.generate.samples import chat_payload
+    from dflash_regen.settings.run_config import sample_seed
 
     session = requests.Session()
 

@@ -164,7 +164,7 @@ def test_a_live_run_holds_its_output_root_and_a_dead_runs_servers_are_reaped(lau
     from dflash_regen.fleet import runlock
 
     cfg, servers, _ = launch(num_servers=2)  # run "test_run", whose (`airflow dags test`) process is `holder`
-    script = ("import sys; from pathlib import Path; from dflash_regen import runlock; "
+    script = ("import sys; from pathlib import Path; from dflash_regen.fleet import runlock; "
               "runlock.acquire(Path(sys.argv[1]), 'test_run', 'test_run', lambda r: False); sys.stdin.read()")
     holder = subprocess.Popen([sys.executable, "-c", script, str(cfg.output_root)], stdin=subprocess.PIPE)
     try:

@@ -19,9 +19,9 @@ from dflash_regen.errors import Drained, NoServerFree
 from dflash_regen.fleet.servers import is_alive, launch_fleet, lease, load_servers
 from dflash_regen.generate import checkpoints
 from dflash_regen.generate import shard as generate_shard
-from dflash_regen.generate.samples import sample_seed
 from dflash_regen.layout import COMPLETIONS, FAILURES, shard_sources
 from dflash_regen.prompts.planning import plan_shards
+from dflash_regen.settings.run_config import sample_seed
 
 CHAT = '"POST /v1/chat/completions HTTP/1.1" 200'  # a chat request in a server's access log
 

@@ -55,8 +55,8 @@ def test_the_first_task_holds_the_run_lock_under_airflows_run_id(params):
     p = params()
     root = RunConfig.from_params(p, RUN).output_root
     (root.parent / "params.json").write_text(json.dumps(p))
-    script = ("import json, sys; from dflash_regen import dag_tasks; "
-              "dag_tasks.check_inputs(json.load(open(sys.argv[1])), sys.argv[2]); print('held', flush=True); "
+    script = ("import json, sys; from dflash_regen import tasks; "
+              "tasks.check_inputs(json.load(open(sys.argv[1])), sys.argv[2]); print('held', flush=True); "
               "sys.stdin.read()")
     holder = subprocess.Popen([sys.executable, "-c", script, str(root.parent / "params.json"), RUN],
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)

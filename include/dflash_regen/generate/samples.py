@@ -33,7 +33,7 @@ class Stopped(ServerUnhealthy):
     """Raised in the other workers once one of them found the server dead: not the cause, only its echo."""
 
 
-def _payload(messages: list[dict], tools: list[dict] | None, settings: GenerationSettings, seed: int,
+def chat_payload(messages: list[dict], tools: list[dict] | None, settings: GenerationSettings, seed: int,
                  max_tokens: int) -> dict:
     return http.chat_payload(messages, tools, settings.sampling, model=settings.served_model, max_tokens=max_tokens,
                                seed=seed)
@@ -144,7 +144,7 @@ class Generator:
             # Regenerate every assistant turn in order from the model's own earlier answers.
             for msg in messages:
                 if msg["role"] == "assistant":
-                    result, _, _ = self._request(_payload(history, tools, s, seed, s.sampling.max_tokens))
+                    result, _, _ = self._request(chat_payload(history, tools, s, seed, s.sampling.max_tokens))
                     turns.append(_turn(result))
                     history.append({"role": "assistant", "content": result.content,
                                     **({"tool_calls": result.tool_calls} if result.tool_calls else {})})
@@ -155,12 +155,12 @@ class Generator:
         if s.train_budget:  # what the trainer reads: train_max_length - this prompt's tokens (planning's count)
             room = s.train_budget - (sample.get("prompt_tokens") or 0) - TRAIN_BUDGET_RESERVE
             max_tokens = max(1, min(s.sampling.max_tokens, room))
-        result, attempt, served_by = self._request(_payload(targets, tools, s, seed, max_tokens))
+        result, attempt, served_by = self._request(chat_payload(targets, tools, s, seed, max_tokens))
         at_train_length = result.finish_reason == "length" and max_tokens < s.sampling.max_tokens
         if s.retry_truncated and not at_train_length and (result.finish_reason == "length"
                                                           or not (result.content or result.tool_calls)):
             max_tokens = 2 * s.sampling.max_tokens
-            result, extra, served_by = self._request(_payload(targets, tools, s, seed, max_tokens))
+            result, extra, served_by = self._request(chat_payload(targets, tools, s, seed, max_tokens))
             attempt += extra
         turns.append(_turn(result))
         usage = result.usage or {}

@@ -12,12 +12,11 @@ import pytest
 
 from dflash_regen.demo.model import write_demo_model
 from dflash_regen.generate import store
-from dflash_regen.generate.samples import sample_seed
 from dflash_regen.layout import COMPLETIONS, store_dir
 from dflash_regen.prompts import planning
 from dflash_regen.prompts.formats import prompt_digest
 from dflash_regen.schemas import COMPLETION
-from dflash_regen.settings.run_config import DEFAULTS, RunConfig
+from dflash_regen.settings.run_config import DEFAULTS, RunConfig, sample_seed
 
 
 @pytest.fixture
