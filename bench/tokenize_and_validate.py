@@ -15,6 +15,7 @@ from __future__ import annotations
 import random
 import resource
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from benchlib import figure, parser, work_dir, write_result
@@ -23,6 +24,7 @@ from dflash_regen.chat.template import load_tokenizer, render, tokenize_batch
 from dflash_regen.demo.model import write_demo_model
 from dflash_regen.demo.prompts import demo_rows
 from dflash_regen.quality import QualitySettings, run_suite
+from dflash_regen.settings.params import defaults
 
 
 def conversations(n: int) -> list[tuple[list[dict], list[dict] | None]]:
@@ -74,11 +76,12 @@ def summary_rows(n: int) -> list[dict]:
 
 def bench_gx(sizes: list[int], work: Path) -> list[dict]:
     out = []
-    run_suite(summary_rows(1000), 1000, QualitySettings(), work / "warm")  # GX import + registry warm-up
+    settings = QualitySettings.from_params(defaults())
+    run_suite(summary_rows(1000), 1000, settings, work / "warm")  # GX import + registry warm-up
     for n in sizes:
         rows = summary_rows(n)
         started = time.perf_counter()
-        report = run_suite(rows, n, QualitySettings(max_overlong_share=1.0), work / f"docs-{n}")
+        report = run_suite(rows, n, replace(settings, max_overlong_share=1.0), work / f"docs-{n}")
         out.append({"rows": n, "seconds": round(time.perf_counter() - started, 2), "success": report["success"]})
     return out
 

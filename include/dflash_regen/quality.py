@@ -27,7 +27,7 @@ def row_problem(row: dict, s: QualitySettings) -> str:
     if row["mask_len"] != row["n_tokens"]:
         return "mask_length_mismatch"
     if row.get("truncated_at_train_length"):  # cut where the trainer stops reading: its text is still good to train
-        return "degenerate_repetition" if row["repetition_score"] > s.max_repetition else ""
+        return "degenerate_repetition" if row["repetition_score"] > s.max_repetition_score else ""
     if row["finish_reason"] == "length":
         return "truncated"
     if row["loss_mask_sum"] <= s.empty_mask_tokens:
@@ -40,7 +40,7 @@ def row_problem(row: dict, s: QualitySettings) -> str:
         return "no_reasoning"
     if row["tool_call_expected"] and not row["tool_call_present"] and row["content_chars"] == 0:
         return "missing_tool_call"
-    if row["repetition_score"] > s.max_repetition:
+    if row["repetition_score"] > s.max_repetition_score:
         return "degenerate_repetition"
     return ""
 
@@ -55,7 +55,8 @@ def problem_detail(row: dict, reason: str, s: QualitySettings) -> str:
         return (f"loss mask covers {row['loss_mask_sum']} tokens, at or below Param "
                 f"empty_mask_tokens={s.empty_mask_tokens}")
     if reason == "degenerate_repetition":
-        return f"repetition score {row['repetition_score']:.3f} above Param max_repetition_score={s.max_repetition:g}"
+        return (f"repetition score {row['repetition_score']:.3f} above Param max_repetition_score="
+                f"{s.max_repetition_score:g}")
     return {"empty_content": "content has 0 characters and there is no tool call",
             "think_marker_in_content": "the answer content holds <think> or </think>",
             "no_reasoning": "thinking on, but 0 reasoning tokens",
@@ -78,7 +79,7 @@ def apply_row_rules(rows: list[dict], s: QualitySettings) -> tuple[list[dict], l
 def expectations(s: QualitySettings, expected_rows: int):
     import great_expectations.expectations as gxe
 
-    keep = 1.0 - s.max_bad_share
+    keep = 1.0 - s.max_bad_sample_share
     return [
         gxe.ExpectColumnValuesToNotBeNull(column="sample_id"),
         gxe.ExpectColumnValuesToBeUnique(column="sample_id"),
@@ -91,8 +92,8 @@ def expectations(s: QualitySettings, expected_rows: int):
                                            mostly=1.0 - s.max_truncated_share, condition_parser="pandas",
                                            row_condition="truncated_at_train_length==False"),
         gxe.ExpectColumnValuesToBeInSet(column="think_marker_leak", value_set=[False], mostly=keep),
-        gxe.ExpectColumnValuesToBeBetween(column="repetition_score", max_value=s.max_repetition, mostly=keep),
-        gxe.ExpectColumnValuesToBeBetween(column="n_tokens", max_value=s.max_length,
+        gxe.ExpectColumnValuesToBeBetween(column="repetition_score", max_value=s.max_repetition_score, mostly=keep),
+        gxe.ExpectColumnValuesToBeBetween(column="n_tokens", max_value=s.train_max_length,
                                           mostly=1.0 - s.max_overlong_share),
         gxe.ExpectColumnValuesToBeBetween(column="reasoning_tokens", min_value=1, mostly=keep,
                                           condition_parser="pandas", row_condition="enable_thinking==True"),

@@ -149,7 +149,7 @@ def stage_weights(params: dict, run_id: str, shards: list[dict] | None = None) -
 def check_inputs(params: dict, run_id: str) -> dict:
     """Several nodes: the run's inputs and lock once, before each node stages the weights to its own RAM disk."""
     cfg = RunConfig.from_params(params, run_id)
-    return {"model_source": str(_check_inputs(cfg, run_id))}
+    return {"model_source_dir": str(_check_inputs(cfg, run_id))}
 
 
 @leave_out_node
@@ -158,7 +158,7 @@ def stage_node(params: dict, run_id: str, checked: dict, node: dict | None = Non
     cfg = _cfg(params, run_id, node)
     for name in (READY, LEFT_OUT):  # a run (or the same run id again) decides afresh whether the node takes part
         cfg.layout.node_report(name).unlink(missing_ok=True)
-    return _stage(cfg, Path(checked["model_source"]))
+    return _stage(cfg, Path(checked["model_source_dir"]))
 
 
 def _check_inputs(cfg: RunConfig, run_id: str) -> Path:
@@ -172,8 +172,8 @@ def _check_inputs(cfg: RunConfig, run_id: str) -> Path:
 
 
 def _model_source(cfg: RunConfig) -> Path:
-    if cfg.model_source != DEMO_MODEL:
-        return Path(cfg.model_source)
+    if cfg.model_source_dir != DEMO_MODEL:
+        return Path(cfg.model_source_dir)
     source = write_demo_model(cfg.output_root / "demo-model", with_tokenizer=True)  # idempotent
     log.info("demo: a stand-in model dir at %s", source)
     return source
@@ -302,7 +302,7 @@ def calibrate(params: dict, run_id: str, launched: dict, shards: list[dict], nod
     fleet_dir = Path(launched["fleet_dir"])
     healthy = fleet_servers.healthy_servers(fleet_dir, servers)
     shape = capacity.RunShape(prompts=_to_generate(shards), servers=len(healthy), shard_size=cfg.plan.shard_size,
-                              concurrency_per_server=cfg.generation.in_flight)
+                              concurrency_per_server=cfg.generation.concurrency_per_server)
     tuned = autotune.applied_flags(cfg.node_reports_dir)  # the fleet runs the autotuned flags on top
     flags = " ".join(x for x in (cfg.fleet.server_flags, tuned or "") if x)
     print_ = capacity.fingerprint(cfg, flags, shape)

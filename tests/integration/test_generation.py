@@ -33,7 +33,7 @@ def plan(cfg, tmp_path, n=40, shard_size=40, rows=None):
     else:
         src.write_text("".join(json.dumps(r) + "\n" for r in rows))
     settings = type(cfg.plan)(shard_size=shard_size, sampling=cfg.plan.sampling,
-                              context_length=cfg.plan.context_length, max_bad_share=1.0)
+                              context_length=cfg.plan.context_length, max_bad_row_share=1.0)
     return plan_shards(src, cfg.layout, settings)
 
 
@@ -130,7 +130,7 @@ def test_server_killed_mid_shard_fails_over_with_nothing_lost_or_duplicated(laun
     killer = threading.Thread(target=kill_server_0_once_results_are_checkpointed)
     killer.start()
     with pytest.raises(generate_shard.ShardFailed) as failure:
-        run_shard(cfg, key, shard, checkpoint_every=5, stall_s=5, request_retries=1)
+        run_shard(cfg, key, shard, checkpoint_every=5, stall_timeout_s=5, request_retries=1)
     killer.join()
     assert cfg.layout.fleet.unhealthy(0).exists() and not is_alive(servers[0])
     before = checkpoints.read_done(parts, cfg.layout.merged(COMPLETIONS, 0))
@@ -207,7 +207,7 @@ run_shard(RunConfig.from_params(job["params"], "test_run"), job["key"], job["sha
 def test_errors_and_hangs_are_retried_until_every_sample_is_produced(launch, tmp_path):
     cfg, _, key = launch(num_servers=1, emulator_faults={"*": {"http_error_rate": 0.05, "hang_rate": 0.02}})
     shard = plan(cfg, tmp_path, n=100, shard_size=100)["shards"][0]
-    result, _ = run_shard(cfg, key, shard, stall_s=2.0, request_retries=6)
+    result, _ = run_shard(cfg, key, shard, stall_timeout_s=2.0, request_retries=6)
     assert result["completed"] == 100 and result["quarantined"] == 0
     rows = pq.read_table(result["path"], columns=["attempt"]).column("attempt").to_pylist()
     assert max(rows) >= 2  # some requests really were retried
@@ -218,7 +218,7 @@ def test_prompts_the_server_rejects_are_quarantined_with_its_message(launch, tmp
     rows = [{"id": "short", "messages": [{"role": "user", "content": "hi"}]},
             {"id": "bad", "messages": [{"role": "user", "content": "REJECT me"}]}]
     shard = plan(cfg, tmp_path, rows=rows)["shards"][0]
-    result, _ = run_shard(cfg, key, shard, max_error_share=0.5)
+    result, _ = run_shard(cfg, key, shard, max_generate_error_share=0.5)
     assert result["completed"] == 1 and result["quarantined"] == 1
     failure = pq.read_table(cfg.layout.merged(FAILURES, 0)).to_pylist()[0]
     assert failure["sample_id"] == "bad" and failure["reason"] == "http_400"
@@ -232,7 +232,7 @@ def test_prompts_longer_than_the_servers_own_context_are_quarantined_before_send
     rows = [{"id": "short", "messages": [{"role": "user", "content": "hi"}]},
             {"id": "long", "messages": [{"role": "user", "content": long}]}]
     shard = plan(cfg, tmp_path, rows=rows)["shards"][0]
-    result, _ = run_shard(cfg, key, shard, max_error_share=0.5)
+    result, _ = run_shard(cfg, key, shard, max_generate_error_share=0.5)
     assert result["completed"] == 1 and result["quarantined"] == 1
     failure = pq.read_table(cfg.layout.merged(FAILURES, 0)).to_pylist()[0]
     assert failure["sample_id"] == "long" and failure["reason"] == "too_long"
@@ -345,7 +345,7 @@ POISON_ROWS = [{"id": f"ok{i}", "messages": [{"role": "user", "content": f"Tell 
 def test_a_prompt_two_servers_fail_is_quarantined_and_the_shard_goes_on(launch, tmp_path):
     cfg, servers, key = launch(num_servers=2, emulator_faults={"*": {"error_substring": "POISON"}})
     shard = plan(cfg, tmp_path, rows=POISON_ROWS)["shards"][0]
-    result, server = run_shard(cfg, key, shard, request_retries=1, max_error_share=0.5)
+    result, server = run_shard(cfg, key, shard, request_retries=1, max_generate_error_share=0.5)
     assert result["completed"] == 5 and result["quarantined"] == 1
     (failure,) = pq.read_table(cfg.layout.merged(FAILURES, 0)).to_pylist()
     assert failure["sample_id"] == "poison" and failure["reason"] == "http_500" and failure["stage"] == "generate"
@@ -355,7 +355,7 @@ def test_a_prompt_two_servers_fail_is_quarantined_and_the_shard_goes_on(launch, 
     # Above the Param's share the shard fails at once, naming the Param and a refused sample.
     with pytest.raises(generate_shard.TooManyPromptErrors, match=r"refused 1 of 6 prompts \(16.7%\), above Param "
                                                              r"max_generate_error_share=10.0%; e.g. poison: http_500"):
-        run_shard(cfg, key, shard, max_error_share=0.1)
+        run_shard(cfg, key, shard, max_generate_error_share=0.1)
 
 
 def test_a_prompt_only_one_server_fails_is_answered_by_the_other(launch, tmp_path):
@@ -375,7 +375,8 @@ def test_a_cluster_of_poison_prompts_leaves_a_healthy_server_healthy(launch, tmp
     rows = [{"id": f"poison{i}", "messages": [{"role": "user", "content": f"Call {{tool}} POISON {i}"}]}
             for i in range(12)] + POISON_ROWS[:5]
     shard = plan(cfg, tmp_path, rows=rows)["shards"][0]
-    result, server = run_shard(cfg, key, shard, in_flight=4, request_retries=2, max_error_share=0.8)
+    result, server = run_shard(cfg, key, shard, concurrency_per_server=4, request_retries=2,
+                               max_generate_error_share=0.8)
     assert server.index == 0 and result["completed"] == 5 and result["quarantined"] == 12
     reasons = {r["sample_id"]: r["reason"] for r in pq.read_table(cfg.layout.merged(FAILURES, 0)).to_pylist()}
     assert reasons == {f"poison{i}": "http_500" for i in range(12)}
@@ -409,7 +410,7 @@ def test_a_drain_lets_the_requests_in_flight_finish_keeps_them_and_sends_nothing
     drainer = threading.Thread(target=drain_once_results_are_checkpointed)
     drainer.start()
     with pytest.raises(Drained) as drained:
-        run_shard(cfg, key, shard, checkpoint_every=2, in_flight=4)
+        run_shard(cfg, key, shard, checkpoint_every=2, concurrency_per_server=4)
     drainer.join()
     kept = checkpoints.read_done(parts, cfg.layout.merged(COMPLETIONS, 0))
     sent = Path(servers[0].log_path).read_text().count(CHAT)

@@ -10,6 +10,7 @@ from dflash_regen import quality, schemas
 from dflash_regen.chat.template import load_tokenizer
 from dflash_regen.demo.model import write_demo_model
 from dflash_regen.layout import RunLayout
+from dflash_regen.settings.params import defaults
 from dflash_regen.training.tokenize import tokenize_shard
 
 
@@ -42,7 +43,7 @@ def test_a_dataset_of_87_percent_empty_answers_is_refused_naming_the_expectation
     summary = pq.read_table(run.summary(0)).to_pylist()
     assert sum(r["loss_mask_sum"] == 6 for r in summary) == 87  # the seed's exact signature
 
-    report = quality.validate_run(run, 100, quality.QualitySettings(), run.data_docs)
+    report = quality.validate_run(run, 100, quality.QualitySettings.from_params(defaults()), run.data_docs)
     assert report["success"] is False
     assert report["quarantined_by_reason"] == {"empty_answer_mask": 87}
     failed = [e for e in report["expectations"] if not e["success"]]

@@ -27,7 +27,7 @@ def test_samples_cut_at_the_training_length_are_kept_marked_and_not_counted_as_t
     cfg, servers, key = launch(num_servers=1, budget="train_length", train_max_length=TRAIN_MAX_LENGTH,
                                max_overlong_share=0.0)
     source = write_demo_prompts(tmp_path / "prompts.jsonl", 30)
-    settings = replace(cfg.plan, shard_size=40, max_bad_share=1.0, max_overlong_share=1.0)
+    settings = replace(cfg.plan, shard_size=40, max_bad_row_share=1.0, max_overlong_share=1.0)
     assert settings.count_tokens  # the budget has planning count every prompt
     plan = plan_shards(source, cfg.layout, settings)
     shard = plan["shards"][0]

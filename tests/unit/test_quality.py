@@ -3,9 +3,10 @@
 import pytest
 
 from dflash_regen.quality import QualitySettings, apply_row_rules, row_problem, run_suite
+from dflash_regen.settings.params import defaults
 from dflash_regen.training.tokenize import repetition_score
 
-S = QualitySettings()
+S = QualitySettings.from_params(defaults())
 
 
 def good(i, **changes):

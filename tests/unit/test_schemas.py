@@ -11,6 +11,7 @@ from dflash_regen.chat.template import load_tokenizer
 from dflash_regen.demo.model import write_demo_model
 from dflash_regen.layout import COMPLETIONS, RunLayout
 from dflash_regen.prompts.planning import PlanSettings, plan_shards
+from dflash_regen.settings.params import defaults
 from dflash_regen.settings.run_config import SamplingConfig
 from dflash_regen.training.tokenize import tokenize_shard
 
@@ -31,7 +32,8 @@ def planned(tmp_path) -> RunLayout:
               "tools": [{"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}]},
              {"id": "a", "messages": [{"role": "user", "content": "a duplicate id"}]}]
     source.write_text("".join(json.dumps(line) + "\n" for line in lines))
-    plan_shards(source, run, PlanSettings(shard_size=10, sampling=SAMPLING, context_length=4096, max_bad_share=0.5))
+    plan_shards(source, run, PlanSettings(prompt_format="auto", shard_size=10, sampling=SAMPLING, context_length=4096,
+                                          max_bad_row_share=0.5))
     return run
 
 
@@ -73,14 +75,15 @@ def test_the_row_rules_read_only_the_summary_contract():
                reasoning_tokens=8, content_tokens=12, think_marker_leak=False, tool_call_expected=False,
                tool_call_present=False, repetition_score=0.0, enable_thinking=True, history_from_input=False,
                truncated_at_train_length=False)
-    assert quality.row_problem(row, quality.QualitySettings()) == ""  # a KeyError if a rule read another column
-    assert quality.row_problem({**row, "loss_mask_sum": 6}, quality.QualitySettings()) == "empty_answer_mask"
+    settings = quality.QualitySettings.from_params(defaults())
+    assert quality.row_problem(row, settings) == ""  # a KeyError if a rule read another column
+    assert quality.row_problem({**row, "loss_mask_sum": 6}, settings) == "empty_answer_mask"
 
 
 def test_every_column_the_gx_suite_checks_is_in_the_summary_contract():
     derived = {"has_answer"}  # computed by run_suite from content_chars, tool_call_present, truncated_at_train_length
     checked = set()
-    for expectation in quality.expectations(quality.QualitySettings(), expected_rows=10):
+    for expectation in quality.expectations(quality.QualitySettings.from_params(defaults()), expected_rows=10):
         checked |= {getattr(expectation, k) for k in ("column", "column_A", "column_B") if hasattr(expectation, k)}
     assert checked - derived <= set(schemas.SUMMARY.names), checked - derived - set(schemas.SUMMARY.names)
     assert "loss_mask_sum" in checked and "finish_reason" in checked

@@ -41,7 +41,8 @@ def _emulate(ns) -> dict:
     from dflash_regen.demo.fleet import emulated_run
 
     with emulated_run(ns, "capacity") as run:
-        shape = _shape(ns, RunShape(run.plan["accepted"], 1, run.cfg.plan.shard_size, run.cfg.generation.in_flight))
+        shape = _shape(ns, RunShape(run.plan["accepted"], 1, run.cfg.plan.shard_size,
+                                    run.cfg.generation.concurrency_per_server))
         return calibrate(run.servers[0], run.key, run.health, run.plan["shards"], run.cfg.generation, shape,
                          prompts=ns.calibration_prompts, server_flags=ns.server_flags,
                          train_max_length=ns.train_max_length)

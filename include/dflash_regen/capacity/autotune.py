@@ -104,7 +104,7 @@ def _first_line(exc: BaseException) -> str:
 def run_shape(cfg: RunConfig, run_prompts: int) -> capacity.RunShape:
     """The run every candidate's prediction is for."""
     return capacity.RunShape(prompts=run_prompts, servers=cfg.fleet.num_servers, shard_size=cfg.plan.shard_size,
-                             concurrency_per_server=cfg.generation.in_flight)
+                             concurrency_per_server=cfg.generation.concurrency_per_server)
 
 
 class Tuner:

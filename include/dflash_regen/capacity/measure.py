@@ -92,10 +92,10 @@ class _Level:
             messages = json.loads(row["messages"])
             tools = json.loads(row["tools"]) if row["tools"] else None
             s = self.settings
-            payload = chat_payload(messages, tools, s.sampling, model=s.served_model, max_tokens=s.sampling.max_tokens,
-                                   seed=sample_seed(row["sample_id"], s.seed))
+            payload = chat_payload(messages, tools, s.sampling, model=s.served_model_name,
+                                   max_tokens=s.sampling.max_tokens, seed=sample_seed(row["sample_id"], s.seed))
             try:
-                result = with_retries(lambda p=payload: self.api.stream(p, stall_s=self.settings.stall_s,
+                result = with_retries(lambda p=payload: self.api.stream(p, stall_s=self.settings.stall_timeout_s,
                                                                         cap_s=self.settings.request_cap_s,
                                                                         stop=self.stop),
                                       self.settings.request_retries + 1, max_delay_s=10.0)

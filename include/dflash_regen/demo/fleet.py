@@ -42,7 +42,7 @@ def emulated_run(ns, run_id: str, demo_prompts: int = 120, **params) -> Iterator
         model = write_demo_model(root / "model")
         source = Path(ns.prompt_source) if ns.prompt_source != DEMO_PROMPTS else write_demo_prompts(
             root / "prompts.jsonl", demo_prompts)
-        plan = planning.plan_shards(source, cfg.layout, replace(cfg.plan, max_bad_share=1.0))
+        plan = planning.plan_shards(source, cfg.layout, replace(cfg.plan, max_bad_row_share=1.0))
         with running(cfg.fleet, model, cfg.fleet_dir) as servers:
             key = read_api_key(cfg.fleet_dir)
             yield EmulatedRun(cfg, model, plan, servers, key, health_gate(servers, key, cfg.fleet))

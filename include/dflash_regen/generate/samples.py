@@ -35,8 +35,8 @@ class Stopped(ServerUnhealthy):
 
 def chat_payload(messages: list[dict], tools: list[dict] | None, settings: GenerationSettings, seed: int,
                  max_tokens: int) -> dict:
-    return http.chat_payload(messages, tools, settings.sampling, model=settings.served_model, max_tokens=max_tokens,
-                               seed=seed)
+    return http.chat_payload(messages, tools, settings.sampling, model=settings.served_model_name,
+                             max_tokens=max_tokens, seed=seed)
 
 
 def _turn(result: ChatResult) -> dict:
@@ -69,7 +69,7 @@ class Generator:
                 raise Stopped("stopping: another request found the server unhealthy")
             try:
                 result = stream_chat(self.session, self.server.url, self.api_key, payload,
-                                     stall_s=self.settings.stall_s, cap_s=self.settings.request_cap_s)
+                                     stall_s=self.settings.stall_timeout_s, cap_s=self.settings.request_cap_s)
             except TransientError as exc:
                 with self._lock:
                     self._consecutive_failures += 1
@@ -101,8 +101,8 @@ class Generator:
         scheduler is wedged (sglang#6624)."""
         if not is_alive(server):
             return None
-        return Api(server.url, self.api_key).probe(self.settings.served_model,
-                                                          timeout_s=min(30.0, self.settings.stall_s))
+        return Api(server.url, self.api_key).probe(self.settings.served_model_name,
+                                                          timeout_s=min(30.0, self.settings.stall_timeout_s))
 
     def _second_opinion(self, payload: dict, first: ServerError) -> tuple[ChatResult, str]:
         """Every retry of this prompt met `first`: whose fault is it? The server's if it fails a plain probe
@@ -122,7 +122,7 @@ class Generator:
         other = others[0]
         with make_session(1) as session:  # not the shard's pool, which is sized for the leased server
             try:
-                result = stream_chat(session, other.url, self.api_key, payload, stall_s=self.settings.stall_s,
+                result = stream_chat(session, other.url, self.api_key, payload, stall_s=self.settings.stall_timeout_s,
                                      cap_s=self.settings.request_cap_s)
             except (ServerError, PromptError) as exc:
                 raise PromptError(exc.status, f"{mine}; and {other.name}: {exc}") from exc
@@ -174,7 +174,7 @@ class Generator:
             "temperature": s.sampling.temperature, "top_p": s.sampling.top_p, "top_k": s.sampling.top_k,
             "min_p": s.sampling.min_p, "presence_penalty": s.sampling.presence_penalty, "seed": seed,
             "enable_thinking": s.sampling.enable_thinking,
-            "served_model": s.served_model, "model_revision": self.model_revision,
+            "served_model": s.served_model_name, "model_revision": self.model_revision,
             "reasoning_parser": s.reasoning_parser,
             "think_marker_leak": any(m in (result.content or "") for m in THINK_MARKERS),
             "empty_content": not (result.content or "").strip() and not result.tool_calls,

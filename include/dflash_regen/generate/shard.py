@@ -12,7 +12,7 @@
   another server first: on real hardware a faulty GPU is the likely cause.
   A 5xx that every retry of one prompt meets, while the server answers a probe, is put to a second
   server: failing there too, it is the prompt's fault (quarantined with both servers' messages, as 4xx
-  answers are); a 401/403 fails the shard at once (the API key). Quarantines above `max_error_share` of a
+  answers are); a 401/403 fails the shard at once (the API key). Quarantines above `max_generate_error_share` of a
   shard fail it.
 
 One sample's requests (payload, seed, retries, second opinion) are `generator`'s; the parts and their merge are
@@ -271,7 +271,7 @@ def _already_complete(paths: ShardPaths, settings: GenerationSettings) -> dict |
     done = pq.read_metadata(paths.output).num_rows
     failed = pq.read_metadata(paths.failures_output).num_rows
     log.info("shard %d already complete: %d completions, %d quarantined", paths.shard, done, failed)
-    _check_refused_share(paths, done + failed, failed, settings.max_error_share)
+    _check_refused_share(paths, done + failed, failed, settings.max_generate_error_share)
     return {"shard": paths.shard, "completed": done, "quarantined": failed, "generated_now": 0,
             "path": str(paths.output), "server": None}
 
@@ -365,7 +365,7 @@ def generate_shard(paths: ShardPaths, server: Server, api_key: str, settings: Ge
         _count_prompt_tokens(todo)
     too_long = _too_long(todo, server, context, settings.sampling.max_tokens)
     todo = [row for row in todo if row["sample_id"] not in too_long]
-    in_flight = settings.in_flight or slots
+    in_flight = settings.concurrency_per_server or slots
     log.info("shard %d on %s: %d prompts, %d done before, %d quarantined before, %d to send, %d in flight",
              paths.shard, server.name, table.num_rows, len(done_ids), len(failed_ids), len(todo), in_flight)
     attempt = _Attempt(paths, table.num_rows, len(done_ids), len(failed_ids), len(todo), status,
@@ -400,7 +400,7 @@ def _merge(paths: ShardPaths, server: Server, attempt: _Attempt, settings: Gener
         attempt.status.finish("done")
     log.info("shard %d complete on %s: %d completions, %d quarantined, %.1f s", paths.shard, server.name,
              completed, quarantined, time.monotonic() - attempt.started)
-    _check_refused_share(paths, completed + quarantined, quarantined, settings.max_error_share)
+    _check_refused_share(paths, completed + quarantined, quarantined, settings.max_generate_error_share)
     return {"shard": paths.shard, "completed": completed, "quarantined": quarantined,
             "generated_now": attempt.stats["completed"], "output_tokens": attempt.stats["output_tokens"],
             "path": str(paths.output), "server": server.name,
@@ -422,7 +422,7 @@ def run_shard(cfg: RunConfig, shard: dict) -> dict:
     if planned:
         expected_rps = planned["scenarios"][0]["requests_per_s_per_server"]
         if cfg.capacity.apply_advised_concurrency:
-            settings = replace(settings, in_flight=planned["advice"]["concurrency_per_server"])
+            settings = replace(settings, concurrency_per_server=planned["advice"]["concurrency_per_server"])
     with lease(cfg.fleet_dir, servers, shard["shard"], wait_s=cfg.fleet.ready_timeout_s,
                avoid=servers_failed_on(cfg.fleet_dir, shard["shard"])) as server:
         healthy = len(healthy_servers(cfg.fleet_dir, servers))

@@ -133,7 +133,8 @@ def generation_fields(cfg: RunConfig, model_dir: Path) -> tuple[dict, dict]:
     }
     recorded = {"server_command": cfg.fleet.server_command, "server_flags": " ".join(cfg.fleet.flags),
                 "served_model_name": cfg.fleet.served_model_name, "num_servers": cfg.fleet.num_servers,
-                "concurrency_per_server": g.in_flight, "autotune": cfg.autotune.mode, "shard_size": cfg.plan.shard_size,
+                "concurrency_per_server": g.concurrency_per_server, "autotune": cfg.autotune.mode,
+                "shard_size": cfg.plan.shard_size,
                 "emulator_profile": cfg.fleet.emulator_profile if cfg.fleet.is_emulator else None}
     return fields, recorded
 

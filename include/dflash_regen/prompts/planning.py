@@ -222,10 +222,10 @@ def plan_shards(source: Path, layout: RunLayout, settings: PlanSettings) -> dict
                          f"train_max_length={settings.train_max_length:,} tokens by themselves, above Param "
                          f"max_overlong_share={settings.max_overlong_share:.1%}; raise train_max_length to what "
                          f"training will use, or drop those prompts; they are in {quarantine_path}")
-    if share > settings.max_bad_share:
+    if share > settings.max_bad_row_share:
         examples = "; ".join(f"{r.location}: {r.reason} ({r.detail})" for r in rejected[:3])
         raise PlanFailed(f"{len(rejected):,} of {total:,} rows ({share:.1%}) are unusable, above Param "
-                         f"max_bad_row_share={settings.max_bad_share:.1%}; by reason {by_reason}; e.g. {examples}. "
+                         f"max_bad_row_share={settings.max_bad_row_share:.1%}; by reason {by_reason}; e.g. {examples}. "
                          f"Fix the input or raise the threshold; all bad rows are in {quarantine_path}")
     for stale in layout.shard_files():  # from an earlier plan of a different input
         if shard_of(stale) >= len(shards):

@@ -46,7 +46,7 @@ class Deployment:
                                a run whose conf names another root is refused, so a conf cannot open any path
     """
 
-    model_source: str = DEMO_MODEL
+    model_source_dir: str = DEMO_MODEL
     staging_dir: str = ""
     server_command: str = EMULATOR
     base_port: int = 30000
@@ -70,14 +70,14 @@ class Deployment:
         return list(dict.fromkeys(Path(os.path.normpath(r)) for r in roots))
 
     def param_defaults(self) -> dict[str, Any]:
-        return {"model_source_dir": self.model_source, "staging_dir": self.staging_dir,
+        return {"model_source_dir": self.model_source_dir, "staging_dir": self.staging_dir,
                 "server_command": self.server_command, "base_port": self.base_port,
                 "prompt_source": self.prompt_source, "output_root": self.output_root,
                 "emulator_profile": copy.deepcopy(self.emulator_profile)} | \
             ({"shard_size": self.shard_size} if self.shard_size else {})
 
 
-_ENV = {"model_source": "DFLASH_MODEL_SOURCE", "staging_dir": "DFLASH_STAGING_DIR",
+_ENV = {"model_source_dir": "DFLASH_MODEL_SOURCE", "staging_dir": "DFLASH_STAGING_DIR",
         "server_command": "DFLASH_SERVER_COMMAND", "base_port": "DFLASH_BASE_PORT",
         "prompt_source": "DFLASH_PROMPT_SOURCE", "output_root": "DFLASH_OUTPUT_ROOT",
         "emulator_profile": "DFLASH_EMULATOR_PROFILE", "shard_size": "DFLASH_SHARD_SIZE",

@@ -91,7 +91,7 @@ DEMO = Deployment()  # the defaults without a deployment environment; `defaults(
 # In the trigger form's order (sections appear in the order of their first Param).
 SPECS: dict[str, Spec] = {
     "model_source_dir": Spec(
-        DEMO.model_source, "string", FLEET, title="Model source directory", min_length=1,
+        DEMO.model_source_dir, "string", FLEET, title="Model source directory", min_length=1,
         description=("The HF checkpoint dir you would give --model-path (config.json, safetensors, tokenizer files; "
                      "absolute path), or 'demo' for the generated stand-in model. Copied to the RAM disk before "
                      "launch.")),

@@ -14,7 +14,8 @@ import os
 import re
 import shlex
 import sys
-from dataclasses import dataclass, replace
+from collections.abc import Mapping
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -150,8 +151,8 @@ class PlanSettings:
     shard_size: int
     sampling: SamplingConfig  # planning reads its max_tokens: prompt + max_tokens must fit context_length
     context_length: int
-    max_bad_share: float
-    prompt_format: str = "auto"  # one of prompts.PROMPT_FORMATS
+    max_bad_row_share: float
+    prompt_format: str  # one of settings/params.py PROMPT_FORMATS
     max_shards: int = 1024  # Airflow's [core] max_map_length: more mapped shards cannot be expanded
     train_max_length: int = 0  # prompts this long leave nothing to train on; 0 = not checked
     max_overlong_share: float = 1.0
@@ -168,8 +169,8 @@ class PlanSettings:
 class GenerationSettings:
     sampling: SamplingConfig
     seed: int
-    in_flight: int  # 0 = the server's effective running-request slots
-    stall_s: float
+    concurrency_per_server: int  # 0 = the server's effective running-request slots
+    stall_timeout_s: float
     request_cap_s: float
     request_retries: int
     retry_truncated: bool
@@ -177,9 +178,9 @@ class GenerationSettings:
     checkpoint_every: int
     checkpoint_s: float
     progress_s: float
-    served_model: str
+    served_model_name: str
     reasoning_parser: str
-    max_error_share: float = 0.05  # share of a shard's prompts the servers may refuse (quarantined) before it fails
+    max_generate_error_share: float  # share of a shard's prompts the servers may refuse (quarantined) before it fails
     train_budget: int = 0  # Param budget train_length: max_tokens = this - the prompt's tokens; 0 = max_tokens
     run: str = ""  # the run id, recorded with each completion (its source_run)
 
@@ -192,13 +193,20 @@ def sample_seed(sample_id: str, run_seed: int) -> int:
 
 @dataclass(frozen=True)
 class QualitySettings:
-    empty_mask_tokens: int = 6  # the seed's empty answer: </think> \n\n OK . <|im_end|> \n
-    max_bad_share: float = 0.02  # share of samples the row rules may quarantine
-    max_truncated_share: float = 0.05
-    max_repetition: float = 0.5  # share of repeated 8-grams in the reasoning
-    max_length: int = 4096  # SpecForge's Qwen3.6-27B recipe trains at 4096
-    max_overlong_share: float = 0.1
-    max_rerender_drift_share: float = 0.05  # samples whose re-rendered answer differs from the server's tokens
+    """The data-quality gate's thresholds (each a Param of the same name)."""
+
+    empty_mask_tokens: int
+    max_bad_sample_share: float
+    max_truncated_share: float
+    max_repetition_score: float
+    train_max_length: int
+    max_overlong_share: float
+    max_rerender_drift_share: float
+
+    @classmethod
+    def from_params(cls, params: Mapping[str, Any]) -> QualitySettings:
+        """Each field is the Param of its name, checked."""
+        return cls(**{f.name: checked(params, f.name) for f in fields(cls)})
 
 
 @dataclass(frozen=True)
@@ -209,17 +217,19 @@ class CapacitySettings:
 
 @dataclass(frozen=True)
 class AutotuneSettings:
-    mode: str = "off"  # off | advise | apply (autotune.MODES)
-    candidate_s: float = 180.0  # at most this long per candidate's measurement
-    budget_s: float = 1800.0  # candidates that would end past this are skipped
-    extra: tuple[str, ...] = ()  # flag sets to try besides the derived candidates
+    """Params autotune, autotune_candidate_s, autotune_budget_s and autotune_candidates."""
+
+    mode: str  # off | advise | apply (capacity/autotune.py MODES)
+    candidate_s: float  # at most this long per candidate's measurement
+    budget_s: float  # candidates that would end past this are skipped
+    extra: tuple[str, ...]  # flag sets to try besides the derived candidates
 
 
 @dataclass(frozen=True)
 class RunConfig:
     run_id: str
     output_root: Path
-    model_source: str  # a directory, or "demo" for the generated demo model
+    model_source_dir: str  # a directory, or "demo" for the generated demo model
     staging_dir: Path
     fleet: FleetConfig
     sampling: SamplingConfig
@@ -230,10 +240,10 @@ class RunConfig:
     capacity: CapacitySettings
     mask_reasoning: bool
     dataset_name: str
-    node: str = ""  # a node of several (dflash_regen.nodes); "" = the one-node deployment
-    autotune: AutotuneSettings = AutotuneSettings()
-    budget: str = "full"  # full | train_length: max_tokens per request = train_max_length - its prompt tokens
-    reuse: str = "same_settings"  # same_settings | off: take completions from the store (dflash_regen.store)
+    node: str  # a node of several (settings/nodes.py); "" = the one-node deployment
+    autotune: AutotuneSettings
+    budget: str  # full | train_length: max_tokens per request = train_max_length - its prompt tokens
+    reuse: str  # same_settings | off: take completions from the store (generate/store.py)
 
     @property
     def layout(self) -> RunLayout:
@@ -276,10 +286,10 @@ class RunConfig:
 
         output_root = Path(os.path.normpath(get("output_root")))
 
-        model_source = get("model_source_dir")
-        if model_source != DEMO_MODEL and not Path(model_source).is_absolute():
-            raise _fail("model_source_dir", model_source, f"must be an absolute path or {DEMO_MODEL!r}")
-        model_name = "dflash-demo-model" if model_source == DEMO_MODEL else Path(model_source).name
+        model_source_dir = get("model_source_dir")
+        if model_source_dir != DEMO_MODEL and not Path(model_source_dir).is_absolute():
+            raise _fail("model_source_dir", model_source_dir, f"must be an absolute path or {DEMO_MODEL!r}")
+        model_name = "dflash-demo-model" if model_source_dir == DEMO_MODEL else Path(model_source_dir).name
         staging_dir = Path(get("staging_dir") or f"/dev/shm/{model_name}")
         if not staging_dir.is_absolute() or ".." in staging_dir.parts:
             raise _fail("staging_dir", str(staging_dir), "must be an absolute path without '..'")
@@ -353,9 +363,9 @@ class RunConfig:
             shard_size=get("shard_size"),
             sampling=sampling,
             context_length=get("context_length"),
-            max_bad_share=get("max_bad_row_share"),
+            max_bad_row_share=get("max_bad_row_share"),
             prompt_format=get("prompt_format"),
-            train_max_length=get("train_max_length"),
+            train_train_max_length=get("train_max_length"),
             max_overlong_share=get("max_overlong_share"),
             count_tokens=budget == "train_length",
         )
@@ -364,28 +374,20 @@ class RunConfig:
         generation = GenerationSettings(
             sampling=sampling,
             seed=get("seed"),
-            in_flight=get("concurrency_per_server"),
-            stall_s=get("stall_timeout_s"),
+            concurrency_per_server=get("concurrency_per_server"),
+            stall_timeout_s=get("stall_timeout_s"),
             request_cap_s=get("request_cap_s"),
             request_retries=get("request_retries"),
             retry_truncated=get("retry_truncated"),
             regenerate_history=get("regenerate_history"),
             checkpoint_every=get("checkpoint_every"),
             checkpoint_s=get("checkpoint_s"),
-            progress_s=30.0, served_model=served, reasoning_parser=_flag_value(flags, "--reasoning-parser"),
-            max_error_share=get("max_generate_error_share"),
+            progress_s=30.0, served_model_name=served, reasoning_parser=_flag_value(flags, "--reasoning-parser"),
+            max_generate_error_share=get("max_generate_error_share"),
             train_budget=plan.train_max_length if budget == "train_length" else 0,
             run=safe_run_id(run_id),
         )
-        quality = QualitySettings(
-            empty_mask_tokens=get("empty_mask_tokens"),
-            max_bad_share=get("max_bad_sample_share"),
-            max_truncated_share=get("max_truncated_share"),
-            max_repetition=get("max_repetition_score"),
-            max_length=get("train_max_length"),
-            max_overlong_share=get("max_overlong_share"),
-            max_rerender_drift_share=get("max_rerender_drift_share"),
-        )
+        quality = QualitySettings.from_params(params)
         capacity = CapacitySettings(calibration_prompts=get("calibration_prompts"),
                                     apply_advised_concurrency=get("apply_advised_concurrency"))
         extra = get("autotune_candidates")
@@ -394,7 +396,7 @@ class RunConfig:
         autotune = AutotuneSettings(mode=get("autotune"), candidate_s=get("autotune_candidate_s"),
                                     budget_s=get("autotune_budget_s"),
                                     extra=tuple(x.strip() for x in extra if x.strip()))
-        return cls(run_id=safe_run_id(run_id), output_root=output_root, model_source=model_source,
+        return cls(run_id=safe_run_id(run_id), output_root=output_root, model_source_dir=model_source_dir,
                    staging_dir=staging_dir, fleet=fleet, sampling=sampling, prompt_source=prompt_source,
                    plan=plan, generation=generation, quality=quality, capacity=capacity,
                    mask_reasoning=get("mask_reasoning"), dataset_name=get("dataset_name"), node=node,

@@ -25,7 +25,7 @@ AUTOTUNE = {"autotune_candidate_s": 60.0, "autotune_budget_s": 600.0,
 def calibrate_print(params: dict, prompts: int = PROMPTS, healthy: int = 2, tuned: str = "") -> str:
     cfg = RunConfig.from_params(params, RUN)
     shape = capacity.RunShape(prompts=prompts, servers=healthy, shard_size=cfg.plan.shard_size,
-                              concurrency_per_server=cfg.generation.in_flight)
+                              concurrency_per_server=cfg.generation.concurrency_per_server)
     flags = " ".join(x for x in (cfg.fleet.server_flags, tuned) if x)
     return capacity.fingerprint(cfg, flags, shape)
 

@@ -11,7 +11,8 @@ from dflash_regen.settings.run_config import SamplingConfig
 
 SAMPLING = SamplingConfig(max_tokens=1000, temperature=0.6, top_p=0.95, top_k=20, min_p=0.0, presence_penalty=0.0,
                           enable_thinking=True)
-SETTINGS = PlanSettings(shard_size=3, sampling=SAMPLING, context_length=4096, max_bad_share=0.5)
+SETTINGS = PlanSettings(prompt_format="auto", shard_size=3, sampling=SAMPLING, context_length=4096,
+                        max_bad_row_share=0.5)
 
 
 def write_rows(path, rows):
@@ -47,7 +48,8 @@ def test_bad_duplicate_and_over_long_rows_are_quarantined_and_counts_reconcile(t
     long_text = " ".join(f"w{i}" for i in range(4000))
     rows = [user("ok", id="a"), user("dup", id="a"), "{broken", user(long_text, id="long"), user("fine")]
     src = write_rows(tmp_path / "p.jsonl", rows)
-    lenient = PlanSettings(shard_size=3, sampling=SAMPLING, context_length=4096, max_bad_share=0.9)
+    lenient = PlanSettings(prompt_format="auto", shard_size=3, sampling=SAMPLING, context_length=4096,
+                           max_bad_row_share=0.9)
     plan = plan_shards(src, RunLayout(tmp_path), lenient)
     q = pq.read_table(RunLayout(tmp_path).planning_quarantine).to_pylist()
     assert {r["reason"] for r in q} == {"duplicate_id", "not_json", "too_long"}
@@ -149,7 +151,8 @@ def test_a_datasetdict_with_several_splits_asks_which_one(tmp_path):
 
 def test_more_shards_than_airflow_can_map_are_refused_with_the_count_and_the_shard_size_that_fits(tmp_path):
     src = write_rows(tmp_path / "p.jsonl", [user(f"q{i}") for i in range(25)])
-    capped = PlanSettings(shard_size=1, sampling=SAMPLING, context_length=4096, max_bad_share=0.5, max_shards=10)
+    capped = PlanSettings(prompt_format="auto", shard_size=1, sampling=SAMPLING, context_length=4096,
+                          max_bad_row_share=0.5, max_shards=10)
     with pytest.raises(PlanFailed) as info:
         plan_shards(src, RunLayout(tmp_path), capped)
     message = str(info.value)
@@ -157,7 +160,8 @@ def test_more_shards_than_airflow_can_map_are_refused_with_the_count_and_the_sha
                               "allows ([core] max_map_length); set Param shard_size to at least 3"), message
     assert len(RunLayout(tmp_path).shard_files()) <= 10  # stopped writing at the cap
     assert not RunLayout(tmp_path).plan.exists()
-    fits = PlanSettings(shard_size=3, sampling=SAMPLING, context_length=4096, max_bad_share=0.5, max_shards=10)
+    fits = PlanSettings(prompt_format="auto", shard_size=3, sampling=SAMPLING, context_length=4096,
+                        max_bad_row_share=0.5, max_shards=10)
     assert len(plan_shards(src, RunLayout(tmp_path), fits)["shards"]) == 9
 
 
@@ -165,7 +169,8 @@ def test_prompts_past_train_max_length_are_counted_quarantined_and_bounded(tmp_p
     # The audit's 200K-token prompt was accepted and published against train_max_length 4,096.
     long_text = " ".join(f"w{i}" for i in range(3000))  # ~6,000 tokens: fits the context, not the training length
     src = write_rows(tmp_path / "p.jsonl", [user(long_text, id="long")] + [user(f"q{i}") for i in range(19)])
-    settings = PlanSettings(shard_size=10, sampling=SAMPLING, context_length=262144, max_bad_share=0.5,
+    settings = PlanSettings(prompt_format="auto", shard_size=10, sampling=SAMPLING, context_length=262144,
+                            max_bad_row_share=0.5,
                             train_max_length=4096, max_overlong_share=0.1)
     plan = plan_shards(src, RunLayout(tmp_path), settings)
     assert plan["accepted"] == 19 and plan["quarantined_by_reason"] == {"over_train_max_length": 1}
@@ -198,7 +203,8 @@ def test_a_prompt_long_only_in_its_tool_call_arguments_is_caught(tmp_path):
     long = " ".join(f"row{i}" for i in range(12000))  # ~36,000 tokens inside the arguments
     rows = [tool_call_history(long)] + [user(f"q{i}") for i in range(9)]
     src = write_rows(tmp_path / "p.jsonl", rows)
-    settings = PlanSettings(shard_size=10, sampling=SAMPLING, context_length=262144, max_bad_share=0.5,
+    settings = PlanSettings(prompt_format="auto", shard_size=10, sampling=SAMPLING, context_length=262144,
+                            max_bad_row_share=0.5,
                             train_max_length=4096, max_overlong_share=0.0)
     with pytest.raises(PlanFailed, match=r"^1 of 10 prompts \(10.0%\) are longer than Param train_max_length=4,096"):
         plan_shards(src, RunLayout(tmp_path), settings)
@@ -214,7 +220,8 @@ def test_the_tools_preamble_counts_toward_the_length(tmp_path):
     tokens = TokenCounter().count(prompt)
     assert prompt.text_bytes + 64 < tokens  # what the 64-byte slack once missed
     src = write_rows(tmp_path / "p.jsonl", [row, user("q")])
-    settings = PlanSettings(shard_size=10, sampling=SAMPLING, context_length=262144, max_bad_share=0.9,
+    settings = PlanSettings(prompt_format="auto", shard_size=10, sampling=SAMPLING, context_length=262144,
+                            max_bad_row_share=0.9,
                             train_max_length=tokens, max_overlong_share=1.0)
     plan = plan_shards(src, RunLayout(tmp_path), settings)
     assert plan["quarantined_by_reason"] == {"over_train_max_length": 1}

@@ -15,7 +15,7 @@ ENV = {"DFLASH_MODEL_SOURCE": "/models/Qwen3.6-27B", "DFLASH_STAGING_DIR": "/dev
 
 def test_every_variable_reaches_its_setting():
     assert deployment(ENV) == Deployment(
-        model_source="/models/Qwen3.6-27B", staging_dir="/dev/shm/q",
+        model_source_dir="/models/Qwen3.6-27B", staging_dir="/dev/shm/q",
         server_command="/opt/sglang-venv/bin/python -m sglang.launch_server", base_port=31000,
         prompt_source="/data/prompts", output_root="/data/out", emulator_profile={"decode_tokens_per_s": 3000},
         parallel_shards=14, generate_retries=0, worker_queue="gpu-node-1", nodes='[{"name": "a"}]',
@@ -24,7 +24,7 @@ def test_every_variable_reaches_its_setting():
 
 def test_unset_or_empty_variables_run_the_demo():
     assert deployment({}) == deployment({name: "" for name in ENV}) == Deployment()
-    assert (Deployment().model_source, Deployment().server_command, Deployment().base_port) == ("demo", "emulator",
+    assert (Deployment().model_source_dir, Deployment().server_command, Deployment().base_port) == ("demo", "emulator",
                                                                                                 30000)
 
 

@@ -147,4 +147,4 @@ def test_the_config_keeps_the_param_texts_it_is_asked_for_and_not_the_raw_dict()
 def test_quality_settings_live_in_config_and_quality_uses_them():
     assert quality.QualitySettings is QualitySettings
     cfg = RunConfig.from_params(params(empty_mask_tokens=9, max_repetition_score=0.25), "r")
-    assert (cfg.quality.empty_mask_tokens, cfg.quality.max_repetition) == (9, 0.25)
+    assert (cfg.quality.empty_mask_tokens, cfg.quality.max_repetition_score) == (9, 0.25)
