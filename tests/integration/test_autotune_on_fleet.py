@@ -29,7 +29,7 @@ def prepared(launch, tmp_path, prompts: int, shard_size: int, **params):
     cfg, servers, key = launch(num_servers=1, emulator_profile=PROFILE, server_flags=RUN_FLAGS, min_kv_tokens=0,
                                min_running_requests=1, calibration_prompts=32, shard_size=shard_size, **params)
     source = write_demo_prompts(tmp_path / "prompts.jsonl", prompts)
-    settings = type(cfg.plan)(shard_size=shard_size, sampling=cfg.plan.sampling,
+    settings = type(cfg.plan)(prompt_format="auto", shard_size=shard_size, sampling=cfg.plan.sampling,
                               context_length=cfg.plan.context_length, max_bad_row_share=1.0)
     plan = plan_shards(source, cfg.layout, settings)
     tasks.write_report(cfg, "health", health_gate(servers, key, cfg.fleet))

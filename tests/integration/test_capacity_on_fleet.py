@@ -32,7 +32,7 @@ def ids(shards):
 
 def planned(cfg, tmp_path, n, shard_size):
     src = write_demo_prompts(tmp_path / "prompts.jsonl", n)
-    settings = type(cfg.plan)(shard_size=shard_size, sampling=cfg.plan.sampling,
+    settings = type(cfg.plan)(prompt_format="auto", shard_size=shard_size, sampling=cfg.plan.sampling,
                               context_length=cfg.plan.context_length, max_bad_row_share=1.0)
     return plan_shards(src, cfg.layout, settings)
 
@@ -48,8 +48,8 @@ def test_calibration_finds_the_emulators_known_curve_and_predicts_a_run_it_never
     source = other / "prompts.jsonl"
     source.parent.mkdir()
     source.write_text("".join(json.dumps({**r, "id": f"cal-{r['id']}"}) + "\n" for r in demo_rows(96, seed=1)))
-    settings = type(cfg.plan)(shard_size=96, sampling=cfg.plan.sampling, context_length=cfg.plan.context_length,
-                              max_bad_row_share=1.0)
+    settings = type(cfg.plan)(prompt_format="auto", shard_size=96, sampling=cfg.plan.sampling,
+                              context_length=cfg.plan.context_length, max_bad_row_share=1.0)
     calibration_shards = plan_shards(source, RunLayout(other), settings)["shards"]
     assert not set(ids(calibration_shards)) & set(ids(plan["shards"]))
     report = capacity.calibrate(servers[0], key, health, calibration_shards, replace(cfg.generation, seed=1), shape,

@@ -32,7 +32,7 @@ def plan(cfg, tmp_path, n=40, shard_size=40, rows=None):
         write_demo_prompts(src, n)
     else:
         src.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    settings = type(cfg.plan)(shard_size=shard_size, sampling=cfg.plan.sampling,
+    settings = type(cfg.plan)(prompt_format="auto", shard_size=shard_size, sampling=cfg.plan.sampling,
                               context_length=cfg.plan.context_length, max_bad_row_share=1.0)
     return plan_shards(src, cfg.layout, settings)
 

@@ -365,7 +365,7 @@ class RunConfig:
             context_length=get("context_length"),
             max_bad_row_share=get("max_bad_row_share"),
             prompt_format=get("prompt_format"),
-            train_train_max_length=get("train_max_length"),
+            train_max_length=get("train_max_length"),
             max_overlong_share=get("max_overlong_share"),
             count_tokens=budget == "train_length",
         )
