@@ -1,7 +1,7 @@
 """Airflow overhead (figure 3): wall time of N mapped shards under Airflow minus the work itself.
 
 For N = 1, 10, 100 one-prompt shards on a zero-latency emulated fleet (one server), side by side:
-- direct: the task bodies (`dag_tasks.*`: stage, launch, health, smoke, plan, calibrate, N x generate,
+- direct: the task bodies (`tasks.*`: stage, launch, health, smoke, plan, calibrate, N x generate,
   stop) called in the DAG's order in this process: the work itself;
 - Airflow: the same DAG run by `dag.test()` (no executor: each task instance runs in this process, one at a
   time, through the Task SDK's task runner and the metadata DB, SQLite), with the same Params. `tokenize`,

@@ -4,7 +4,7 @@ plain reference client, and the result format (figures, each a side-by-side rati
 Also a small CLI, so a shard task or the plain client runs in its own process (its CPU and peak RSS are
 then its own, read with `os.wait4`):
 
-    python bench/benchlib.py shard PARAMS_JSON RUN_ID SHARD_DESCRIPTOR_JSON   # dag_tasks.generate
+    python bench/benchlib.py shard PARAMS_JSON RUN_ID SHARD_DESCRIPTOR_JSON   # tasks.generate
     python bench/benchlib.py plain PARAMS_JSON RUN_ID SHARD_PARQUET SERVER_INDEX
     python bench/benchlib.py plan PARAMS_JSON RUN_ID SOURCE                # plan_shards; prints shard 0
 """

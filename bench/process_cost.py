@@ -2,7 +2,7 @@
 
 For runs of 10K, 100K and 1M prompt rows (the demo mix, ~1.1 KB a row):
 - planning: `plan_shards` over the jsonl, in its own process: peak RSS and seconds;
-- one shard task (`dag_tasks.generate`, the `generate` task body) on shard 0 of that plan (1,000 prompts)
+- one shard task (`tasks.generate`, the `generate` task body) on shard 0 of that plan (1,000 prompts)
   against one zero-latency emulated server (16 slots, realistic answer lengths): peak RSS, CPU seconds,
   requests/s;
 - on the first run size only, the plain client (`benchlib.plain_client`) on the same shard and server, also
@@ -44,7 +44,7 @@ def main() -> None:
     runs = []
     with emulated_fleet(work, 1, ZERO_LATENCY, shard_size=args.shard_size) as fl:
         imports = {"peak_rss_mb": None} if args.quick else run_measured(
-            [sys.executable, "-c", "import dflash_regen.dag_tasks, pyarrow.parquet, requests"], work / "imports.log")
+            [sys.executable, "-c", "import dflash_regen.tasks, pyarrow.parquet, requests"], work / "imports.log")
         for rows in args.rows:
             run_id = f"rows-{rows}"
             share_fleet(fl, run_id)

@@ -1,6 +1,6 @@
 """Resume (figure 7): wall time to finish a shard after a kill at 50% vs an uninterrupted run of it.
 
-One emulated server (16 slots) and one shard, run as the shard task (`dag_tasks.generate`) in its own
+One emulated server (16 slots) and one shard, run as the shard task (`tasks.generate`) in its own
 process, twice on the same server with the same prompts (so the same answer lengths):
 - uninterrupted: the task body's wall time (`generate` call to return);
 - interrupted: SIGKILL (as an OOM kill or a lost worker) once the checkpoints hold half the shard, then a

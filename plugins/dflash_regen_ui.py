@@ -1,6 +1,6 @@
 """Airflow UI pages for dflash-regen: a run's data-quality report (with its GX Data Docs) and its fleet.
 
-The pages are the library's FastAPI app (`dflash_regen.report_pages`), mounted at /dflash. A mounted plugin
+The pages are the library's FastAPI app (`dflash_regen.ui.app`), mounted at /dflash. A mounted plugin
 app gets no authentication from Airflow, so every route requires Airflow's own `get_user` (the UI's `_token`
 cookie or a Bearer token): anonymous requests get 401. Runs are read from the output root each run's conf
 named, among the roots the api-server serves (env DFLASH_OUTPUT_ROOT, the form's default, and DFLASH_SERVED_ROOTS);
@@ -60,7 +60,7 @@ def _stopped(row) -> dict | None:
 
 
 class AirflowRuns:
-    """The DAG's runs and task instances as plain dicts (what `report_pages` expects of `airflow`)."""
+    """The DAG's runs and task instances as plain dicts (what `ui/app.py` expects of `airflow`)."""
 
     dag_id = DAG_ID
 

@@ -18,7 +18,7 @@ export DFLASH_SHARD_SIZE="${DFLASH_SHARD_SIZE:-20}"
 LOG="$AIRFLOW_HOME/standalone.log"
 setsid airflow standalone >"$LOG" 2>&1 &
 PID=$!
-# standalone's scheduler can hang on an idle worker at shutdown (cookbook §1b): TERM, then KILL the group.
+# standalone's scheduler can hang on an idle worker at shutdown (Airflow 3.3's LocalExecutor): TERM, then KILL the group.
 trap 'kill -TERM -- -$PID 2>/dev/null; sleep 10; kill -KILL -- -$PID 2>/dev/null; exit 0' INT TERM
 for _ in $(seq 300); do
   curl -fs "http://127.0.0.1:$PORT/api/v2/monitor/health" 2>/dev/null | grep -q '"scheduler":{"status":"healthy"' && break

@@ -22,7 +22,7 @@ CONF='{"staging_dir": "'"${DFLASH_STAGING_DIR:-/dev/shm/dflash-demo-model}"'", "
 started=$(date +%s)
 setsid airflow standalone >"$LOG" 2>&1 &
 PID=$!
-# standalone's scheduler can hang on an idle worker at shutdown (cookbook §1b): TERM, then KILL the group.
+# standalone's scheduler can hang on an idle worker at shutdown (Airflow 3.3's LocalExecutor): TERM, then KILL the group.
 stop_airflow() { kill -TERM -- -"$PID" 2>/dev/null || true; for _ in $(seq 20); do kill -0 "$PID" 2>/dev/null || return 0; sleep 0.5; done; kill -KILL -- -"$PID" 2>/dev/null || true; }
 trap 'stop_airflow; exit 130' INT TERM
 URL="http://127.0.0.1:$PORT"

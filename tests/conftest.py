@@ -132,7 +132,7 @@ def run_params(tmp_path):
 @pytest.fixture
 def launch(run_params, tmp_path, no_leftover_servers):
     """Launch an emulated fleet from Params overrides; returns (cfg, servers, api key); always stopped.
-    `launch.params` holds the last launch's Params, for calling dag_tasks with them."""
+    `launch.params` holds the last launch's Params, for calling tasks with them."""
     from dflash_regen.demo.model import write_demo_model
     from dflash_regen.fleet.servers import launch_fleet, read_api_key, stop_fleet
     from dflash_regen.settings.run_config import RunConfig

@@ -154,7 +154,7 @@ class LiveAirflow:
         for proc in self.procs.values():
             try:
                 proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
-            except subprocess.TimeoutExpired:  # the scheduler can hang on an idle worker (cookbook §1b)
+            except subprocess.TimeoutExpired:  # the scheduler can hang on an idle worker (Airflow 3.3)
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait(timeout=10)
         self.procs.clear()

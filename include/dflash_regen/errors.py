@@ -1,6 +1,6 @@
 """One exception tree for the pipeline: every class this package raises on purpose lives here.
 
-Every message says what happened, with which value, and what to do next. `dag_tasks.fail_fast` turns every
+Every message says what happened, with which value, and what to do next. `tasks.fail_fast` turns every
 `NotRetryable` into a non-retryable task failure (retrying cannot fix it); the rest fail the task attempt
 and Airflow's retries (or a clear) try again.
 

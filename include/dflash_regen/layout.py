@@ -1,16 +1,16 @@
-"""Every path under `<output_root>/runs/<run_id>/` (DESIGN §6), and the checkpoint rule.
-(`<output_root>/store/` is the completion store's: `store_dir`, laid out in dflash_regen.store.)
+"""Every path under `<output_root>/runs/<run_id>/` and the checkpoint rule.
+(`<output_root>/store/` is the completion store's: `store_dir`, laid out in generate/store.py.)
 
     runs/<run_id>/
       fleet/[<node>/]   server-<i>.log, server-<i>.json (pid + launch spec), exit-<i>.json, unhealthy-<i>,
                         unhealthy.jsonl (every marking, kept across relaunches),
                         lease-<i>.lock, api_key, failed-shard-XXXXX.json            (FleetFiles)
       shards/           plan.json, shard-XXXXX.parquet                              (schemas.PROMPT_SHARD)
-                        generation.json (the generation fingerprint, dflash_regen.store)
+                        generation.json (the generation fingerprint, generate/store.py)
       completions/      shard-XXXXX.parquet (merged), shard-XXXXX/part-*.parquet    (schemas.COMPLETION)
       failures/         plan.parquet, shard-XXXXX.parquet, shard-XXXXX/part-*.parquet (schemas.QUARANTINE)
-      status/           shard-XXXXX.json (shard_status)
-      drain.json        the operator's drain request (generation.request_drain)
+      status/           shard-XXXXX.json (generate/status.py)
+      drain.json        the operator's drain request (generate/shard.py request_drain)
       tokenized/        shard-XXXXX.parquet, summary-XXXXX.parquet, conversations-XXXXX.jsonl
       quality/          quarantine.parquet                                          (schemas.GATE_QUARANTINE)
       reports/          <name>.json, data_docs/, nodes/<node>/<name>.json
@@ -36,7 +36,7 @@ def runs_dir(output_root: Path) -> Path:
 
 
 def store_dir(output_root: Path) -> Path:
-    """`<output_root>/store`: the completion store (dflash_regen.store), hard links of the runs' checkpoints."""
+    """`<output_root>/store`: the completion store (generate/store.py), hard links of the runs' checkpoints."""
     return output_root / "store"
 
 
@@ -217,11 +217,11 @@ class RunLayout:
 
     @property
     def drain_request(self) -> Path:
-        """drain.json: who asked the run to drain, and when (`generation.request_drain`); a relaunch removes it."""
+        """drain.json: who asked the run to drain, and when (`generate.shard.request_drain`); a relaunch removes it."""
         return self.run_dir / "drain.json"
 
     def status(self, shard: int) -> Path:
-        """status/shard-XXXXX.json: the shard's heartbeat and attempts (shard_status)."""
+        """status/shard-XXXXX.json: the shard's heartbeat and attempts (generate/status.py)."""
         return self.status_dir / f"{shard_name(shard)}.json"
 
     def status_files(self) -> list[Path]:

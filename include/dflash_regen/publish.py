@@ -287,7 +287,7 @@ def publish_run(layout: RunLayout, dest: Path, plan: dict, quality: dict, config
     }
     if nodes:  # a run on several nodes: shards, prompts, predicted and measured time per node
         manifest["nodes"] = nodes
-    if reuse:  # the generation fingerprint and which run generated the published completions (dflash_regen.store)
+    if reuse:  # the generation fingerprint and which run generated the published completions (generate/store.py)
         manifest["generation"] = reuse
     publish(dest, parts, manifest, dataset_card(dest.parent.name, dest.name, manifest))
     return manifest

@@ -1,4 +1,5 @@
-"""The record schemas of the run's parquet files: the data contracts of DESIGN §5, in one place.
+"""The record schemas of the run's parquet files: the data contracts, in one place
+(docs/architecture.md lists them with the reports and the manifest).
 
 Every writer builds its table with one of these and every reader relies on its column names; a change here
 is a change of contract (a file written before it may lack a column: readers of old runs allow for that).
@@ -43,7 +44,7 @@ content, tool calls as JSON text), how it ended and its token usage, the server 
 latency, attempt count and sampling params, flags for a leaked `<think>` marker or an empty answer, every
 assistant turn of a tool-call round (JSON text), whether Param budget train_length cut it, the run that generated
 it (`source_run`: an earlier run's for a completion the store supplied) and the digest of the prompt it answers
-(`prompts.prompt_digest`, the store's check)."""
+(`prompts.formats.prompt_digest`, the store's check)."""
 
 TOKENIZED = pa.schema([
     ("sample_id", pa.string()), ("input_ids", pa.list_(pa.field("element", pa.int32()))),
@@ -70,7 +71,7 @@ every tokenized sample. `reasoning_tokens`/`content_tokens` are supervised token
 `history_from_input` says assistant turns after the last user turn came from the input (SpecForge trains
 them too), `repetition_score` is the share of repeated 8-grams in the reasoning, `rerender_token_delta` the
 generated turn's tokens as the trainer renders them minus the tokens the server generated (0: the same count;
-null where no comparison holds: `tokenized.rerender_token_delta`)."""
+null where no comparison holds: `training.tokenize.rerender_token_delta`)."""
 
 GATE_QUARANTINE = pa.schema([("sample_id", pa.string()), ("reason", pa.string()), ("detail", pa.string())])
 """A sample the quality gate's row rules refused (`quality/quarantine.parquet`): left out of the published

@@ -115,7 +115,7 @@ def test_every_param_has_a_title_a_section_and_a_description(dag):
 
 
 def test_every_param_is_built_from_the_spec_table(dag):
-    """One declaration per Param (dflash_regen/params.py): the form's schema is the one config validates against."""
+    """One declaration per Param (settings/params.py): the form's schema is the one config validates against."""
     assert list(dag.params) == [name for name, spec in SPECS.items() if not spec.nodes_only]
     for name in dag.params:
         param = dag.params.get_param(name)

@@ -113,8 +113,8 @@ def test_a_run_with_no_sample_left_fails_validation_with_the_reasons(tmp_path):
 
 
 def test_answers_re_rendered_other_than_generated_are_kept_marked_and_bounded(tmp_path):
-    """`rerender_token_delta` (tokenized.py): kept and counted below Param max_rerender_drift_share, a failed gate
-    above it; nulls (no comparison possible) count neither way."""
+    """`rerender_token_delta` (training/tokenize.py): kept and counted below Param max_rerender_drift_share, a
+    failed gate above it; nulls (no comparison possible) count neither way."""
     rows = ([good(i, rerender_token_delta=0) for i in range(90)] + [good(100 + i, rerender_token_delta=None)
                                                                     for i in range(50)]
             + [good(200 + i, rerender_token_delta=1) for i in range(4)])

@@ -4,7 +4,8 @@ Reads SGLang's `/health` (a 1-token generation in SGLang, so it proves the sched
 `/server_info` (KV tokens, effective running-request slots, Mamba slots) and the startup log, compares
 them with the run's minimums, and explains which resource binds concurrency: the seed's node had room in
 its KV cache for hundreds of requests but only 80 Mamba slots, which SGLang turns into 16 running
-requests (80 // 5 with `extra_buffer` + spec v2; notes/sglang-api.md §3.2).
+requests (80 // 5 with `extra_buffer` + spec v2: SGLang's `_calculate_mamba_ratio`, which
+emulator/allocation.py reproduces).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """GPU memory arithmetic of an SGLang 0.5.10 server running Qwen3.6-27B on one B200.
 
-The formulas are SGLang's (`model_runner_kv_cache_mixin.py`, notes/sglang-api.md §3.2): after the weights
+The formulas are SGLang's (SGLang 0.5.10's `model_runner_kv_cache_mixin.py`): after the weights
 are loaded, `rest = available - total * (1 - mem_fraction_static)`; speculative decoding first reserves the
 intermediate SSM states; the Mamba slots come from `--max-mamba-cache-size` or from the ratio fit
 `mamba : KV = mamba_full_memory_ratio : 1`; the KV pool gets what is left; the scheduler then runs at most

@@ -91,16 +91,16 @@ class Profile:
         return decode, saturation
 
 
-# Profiles fitted to published Qwen3.6-27B figures (MTP on, TP=1, BF16 weights and KV; notes/peers-and-pain-points.md
-# §4 and issue 18). Per-request decode time grows linearly with the batch, t(b) = 1/decode + (b - 1)/saturation, so
+# Profiles fitted to published Qwen3.6-27B figures (MTP on, TP=1, BF16 weights and KV; SGLang's Qwen3.6
+# cookbook benchmarks). Per-request decode time grows linearly with the batch, t(b) = 1/decode + (b - 1)/saturation, so
 # the two rates are fitted to two points:
-# - B200: one request alone ~218 output tok/s (SGLang's Qwen3.6 cookbook benchmark, as cited in issue 18) and the
+# - B200: one request alone ~218 output tok/s (SGLang's Qwen3.6 cookbook benchmark) and the
 #   cookbook's c16 TPOT of 10.8 ms (`qwen3.6-benchmarks.jsx`, sglang PR #32959): 15 / (10.8 ms - 1/218) gives an
 #   MTP-on ceiling of ~2,400 tok/s, 1,481 tok/s at 16 running (the cookbook's ~1,240 at isl 8192 includes prefill),
 #   in line with the maintainers' "saturates by ~conc 16; high-throughput is ~+20% over c16".
 # - H200: c1 / c16 TPOT 5.6 / 17.3 ms (same file) -> 178 tok/s alone, ceiling ~1,280 tok/s.
 # Without MTP the curve follows from `Profile.decode_curve` with accept length 3.1 of 4 (MTP's acceptance on
-# Qwen3.6, issue 18) and a 5% draft-head overhead (0.86 GB of MTP head run 3 times vs 52 GB of weights, the
+# Qwen3.6 as SGLang reports it) and a 5% draft-head overhead (0.86 GB of MTP head run 3 times vs 52 GB of weights, the
 # emulator's allocation constants): B200 ~79 tok/s alone, ceiling ~3,100 tok/s, so MTP pays up to ~100 running
 # requests and costs above (no published MTP-off decode figure exists for this model; the cookbook's MTP-off
 # c1024 point, ~1,350 output tok/s at isl 8192, is prefill-bound and only bounds it from below).

@@ -1,5 +1,6 @@
 """The HTTP front: SGLang's endpoints and JSON shapes in the emulated version's forms (`versions.Forms`;
-notes/sglang-api.md §2) over the emulated scheduler and model, with API-key auth, warmup and the health check.
+tests/contract/ checks them against SGLang) over the emulated scheduler and model, with API-key auth, warmup and
+the health check.
 The chat completions (validation, faults, SSE streaming) are `chat`'s; `/metrics` is `metrics`'.
 """
 

@@ -1,4 +1,4 @@
-"""SGLang's model-loading sequence as log lines in the emulated version's forms (notes/sglang-api.md §3),
+"""SGLang's model-loading sequence as log lines in the emulated version's forms (`versions.Forms`),
 paced by the profile's `startup_s`, with the start-time faults: a slow weight load (`start_delay_s`) and a
 CUDA out-of-memory crash during graph capture (`crash_at_start`).
 """

@@ -3,7 +3,7 @@
 Real SGLang and the emulator are started by the same code: an explicit argv (never a shell string),
 `CUDA_VISIBLE_DEVICES=<gpu>`, port `base + i` on 127.0.0.1, an API key, stdout/stderr to
 `fleet/server-<i>.log`, and the pid plus launch spec in `fleet/server-<i>.json`. Each server runs under a
-small watcher (`server_watch`, its parent and process-group leader) in a session of its own, so it outlives
+small watcher (fleet/watch.py, its parent and process-group leader) in a session of its own, so it outlives
 the task that started it and how it ended (exit code or signal) lands in `fleet/exit-<i>.json`;
 `stop_fleet` ends exactly the recorded processes (by pid *and* start time, so a recycled pid is never killed).
 """

@@ -120,7 +120,7 @@ class ShardPaths:
     failures: Path  # failures/shard-XXXXX/
     output: Path  # completions/shard-XXXXX.parquet
     failures_output: Path  # failures/shard-XXXXX.parquet
-    status: Path | None = None  # status/shard-XXXXX.json (shard_status)
+    status: Path | None = None  # status/shard-XXXXX.json (generate/status.py)
     drain: Path | None = None  # the run's drain request (layout.drain_request)
 
     @classmethod

@@ -441,13 +441,14 @@ def prune(root: Path, *, fingerprint_: str | None = None, older_than_s: float | 
 
 # ---------------------------------------------------------------------------------------------------- CLI
 def main(argv: list[str] | None = None) -> int:
-    """`python -m dflash_regen.store list|prune`: what the store holds, and removing entries by fingerprint or age."""
+    """`python -m dflash_regen.generate.store list|prune`: what the store holds; removing entries by
+    fingerprint or age."""
     import argparse
 
     from dflash_regen.fleet.staging import human_bytes
     from dflash_regen.settings.deployment import deployment
 
-    ap = argparse.ArgumentParser(prog="python -m dflash_regen.store", description=main.__doc__)
+    ap = argparse.ArgumentParser(prog="python -m dflash_regen.generate.store", description=main.__doc__)
     ap.add_argument("command", choices=("list", "prune"))
     ap.add_argument("--output-root", type=Path, default=Path(deployment().output_root),
                     help="the runs' output root (default: DFLASH_OUTPUT_ROOT or the demo's)")

@@ -3,7 +3,7 @@
 A missing prompt source, one with no usable row, or an output root the worker cannot write would otherwise
 surface only after staging, launch, health and smoke had run (or as a bare `OSError`). Each check raises
 `ConfigError` naming the Param and the fix. The prompt rows are read with planning's own reader
-(`prompt_sources.iter_raw` + `prompts.parse_row`), so "usable" means what planning will accept.
+(`prompts.sources.iter_raw` + `prompts.formats.parse_row`), so "usable" means what planning will accept.
 """
 
 from __future__ import annotations

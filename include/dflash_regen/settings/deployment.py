@@ -1,7 +1,7 @@
 """The deployment's environment, read in one place: the defaults a GPU node's docker-compose sets once.
 
 No Airflow import: the DAG calls `deployment()` when it is parsed, and `params.defaults` (so
-`config.DEFAULTS`) takes the Param defaults from it.
+`run_config.DEFAULTS`) takes the Param defaults from it.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ class Deployment:
       DFLASH_PARALLEL_SHARDS   generate tasks running at once (7)
       DFLASH_GENERATE_RETRIES  retries of a failed shard (3; 0 leaves it for a human to clear)
       DFLASH_WORKER_QUEUE      the Celery queue of every task ('' = Airflow's default queue)
-      DFLASH_NODES             several GPU nodes, a JSON list (dflash_regen.nodes; '' = one node)
+      DFLASH_NODES             several GPU nodes, a JSON list (settings/nodes.py; '' = one node)
     Read by the report pages (the api-server):
       DFLASH_SERVED_ROOTS      more output roots whose runs the pages show, ':'-separated ('' = only output_root);
                                a run whose conf names another root is refused, so a conf cannot open any path
@@ -57,7 +57,7 @@ class Deployment:
     parallel_shards: int = 7
     generate_retries: int = 3
     worker_queue: str = ""
-    nodes: str = ""  # parsed by dflash_regen.nodes.parse_nodes, which owns the format
+    nodes: str = ""  # parsed by settings/nodes.py parse_nodes, which owns the format
     served_roots: str = ""
 
     def report_roots(self) -> list[Path]:

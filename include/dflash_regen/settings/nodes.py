@@ -65,7 +65,7 @@ class Node:
 def _fail(text: str, why: str) -> ConfigError:
     return ConfigError(f"environment variable {NODES_ENV} is invalid: {why}. It must be a JSON list of nodes, e.g. "
                        '[{"name": "rtx", "queue": "gpu-node-1", "gpus": "0,1,2,3"}, {"name": "b200", "queue": '
-                       f'"gpu-node-2"}}] (see dflash_regen/nodes.py); got {text[:200]!r}')
+                       f'"gpu-node-2"}}] (see dflash_regen/settings/nodes.py); got {text[:200]!r}')
 
 
 def parse_nodes(text: str | None) -> list[Node]:

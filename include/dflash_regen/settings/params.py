@@ -1,9 +1,9 @@
 """The DAG's Params, declared once: each one's default, JSON schema and form text in one table.
 
 The DAG builds its `Param`s from `SPECS` (`trigger_form`), so the trigger form, the REST API and Airflow's own
-validation see these bounds; `config.RunConfig.from_params` checks every value against the same table (`checked`),
+validation see these bounds; `run_config.RunConfig.from_params` checks every value against the same table (`checked`),
 so the two cannot drift. Checks that span several Params (the last server's port, max_tokens against the context
-length, one GPU id per server) stay in `config`. Defaults a deployment sets come from `deployment.deployment()`.
+length, one GPU id per server) stay in `run_config`. Defaults a deployment sets come from `deployment.deployment()`.
 No Airflow import here.
 """
 
@@ -219,7 +219,7 @@ SPECS: dict[str, Spec] = {
         "same_settings", "string", SAMPLING, title="Reuse completions of earlier runs", enum=("same_settings", "off"),
         description=("same_settings: a prompt some run on this output root already answered with the same weights, "
                      "chat template, sampling, max_tokens, budget, thinking, history and seed is not sent again; its "
-                     "completion comes from the store (README 'After a failed gate, or with more prompts'). off: "
+                     "completion comes from the store (docs/operations.md, 'Reuse across runs'). off: "
                      "send every prompt.")),
     "concurrency_per_server": Spec(
         0, "integer", DISPATCH, title="Requests in flight per server", minimum=0, maximum=4096,

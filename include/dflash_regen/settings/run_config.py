@@ -1,6 +1,6 @@
 """Typed, frozen run configuration built once from the DAG's Params.
 
-Every field is validated on construction against the Param table (`dflash_regen.params`, which the DAG's form is
+Every field is validated on construction against the Param table (`settings/params.py`, which the DAG's form is
 built from), plus the checks that span several Params; a bad value raises `ConfigError` naming the field, the value
 and the rule, before any GPU work starts. Airflow is not imported here: the DAG adapter passes the Params as a
 plain dict.

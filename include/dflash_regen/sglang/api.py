@@ -10,7 +10,7 @@
   unless passed), metrics (summed over label sets, `sglang:` and `sglang_` names), the chat payload,
   chat (streaming and not), the 1-token liveness probe and the version.
 
-The HTTP layer under `Api` (session, payload, SSE streaming, error sorting) is `sglang_http`; its names are
+The HTTP layer under `Api` (session, payload, SSE streaming, error sorting) is `sglang/http.py`; its names are
 re-exported here, so callers ask this module only.
 """
 

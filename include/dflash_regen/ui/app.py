@@ -4,7 +4,8 @@
 mounts it and passes Airflow's own `get_user` as `auth`, because a mounted plugin app gets no authentication
 by itself, and `airflow`, a read-only view of the DAG's runs and task instances as plain dicts (None: the pages
 show what the run folders alone say). Every route depends on `auth`. Pages read only `<root>/runs/<run_id>/`
-of the output roots they are given, through `run_report`, and never serve a file outside the run's Data Docs.
+of the output roots they are given (through `ui.runs` and `ui.files`), and never serve a file outside the run's
+Data Docs.
 Nothing here imports Airflow.
 
 Pages are plain server-rendered HTML with inline CSS and SVG: they stay legible without network access, and

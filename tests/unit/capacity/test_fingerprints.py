@@ -1,6 +1,6 @@
 """A rerun of the setups (a cleared shard) reuses calibrate's and autotune's stored measurements only when they were
 measured for the same thing. One test per Param that changes what they measure or predict: each must change the
-fingerprint, computed as the task computes it (dag_tasks.calibrate, dag_tasks.autotune_fleet)."""
+fingerprint, computed as the task computes it (tasks.calibrate, tasks.autotune_fleet)."""
 
 import pytest
 
