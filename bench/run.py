@@ -1,4 +1,4 @@
-"""Run every benchmark in bench/ and write bench/results/latest.json and latest.md (the README's table).
+"""Run every benchmark in bench/ and write bench/results/latest.json and latest.md (docs/benchmarks.md's table).
 
 Each benchmark runs in its own process, one after another (they would disturb each other's timings), and
 writes its own JSON; this collects their figures. A benchmark that fails is recorded with its error and

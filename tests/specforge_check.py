@@ -7,7 +7,7 @@ The side venv is built once under ~/.cache/dflash-regen/ and reused (CI keeps th
 temporary directory, then renamed into place, so parallel test workers neither race nor see half a venv. Its name
 carries a hash of `tests/contract/specforge-requirements.txt`: a changed pin builds a new one. pip, not uv: the CPU
 torch wheel lies on this machine's disk where pip's configuration finds it. `python tests/specforge_check.py`
-builds it ahead of the tests (its cost cold and warm: the README, under CI).
+builds it ahead of the tests (its cost cold and warm: docs/testing.md).
 """
 
 from __future__ import annotations

@@ -258,7 +258,7 @@ FIDELITY_TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {
     "n": {"type": "integer"}, "x": {"type": "number"}, "s": {"type": "string"}, "o": {"type": "object"},
     "b": {"type": "boolean"}}}}}]
 # Raw generated text (after the prompt's `<think>\n`) in the form the template writes: it round-trips. Measured with
-# both versions' parsers (see the README's raw-output fidelity figures), these do not: whitespace around
+# both versions' parsers (docs/sglang-versions.md's raw-output fidelity figures), these do not: whitespace around
 # `</think>` other than "\n</think>\n\n", trailing whitespace in the answer (the template trims it), and tool-call
 # values the parser re-types: `1.50` -> 1.5, `{"a":1}` -> {"a": 1}, `True` -> true.
 ROUND_TRIPS = {
@@ -322,7 +322,7 @@ def test_raw_output_in_the_templates_form_round_trips_through_sglangs_parsers_an
     drifted = {name: rerendered(judge, demo_tokenizer, raw) for name, raw in DRIFTS.items()}
     assert all(drifted[name][0] != raw for name, raw in DRIFTS.items()), drifted
     # The count sees a drift that changes the token count; "\n" and "\n\n" are one token each, so a newline
-    # fewer after `</think>` is re-rendered unseen (a lower bound: the README's fidelity figures).
+    # fewer after `</think>` is re-rendered unseen (a lower bound: docs/sglang-versions.md).
     assert {name for name, (_, delta) in drifted.items() if delta} == set(DRIFTS) - {"one newline after </think>"}
 
 

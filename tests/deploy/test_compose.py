@@ -1,4 +1,5 @@
-"""The GPU node's docker-compose.yaml, its image and .env.example keep the README's promises.
+"""The GPU node's docker-compose.yaml, its image and .env.example keep the promises of README.md and
+docs/operations.md.
 
 `docker compose config` is the real validator and runs where the Compose v2 plugin is installed; the
 structural checks below hold everywhere (no Docker engine needed) and fail if the file regresses.

@@ -165,7 +165,7 @@ def test_a_rerun_of_calibrate_reuses_its_measurement_and_measures_again_when_a_s
 
 def test_the_planner_cli_emulates_a_gated_server_calibrates_it_and_replans_from_its_report(tmp_path,
                                                                                          no_leftover_servers):
-    """`python -m dflash_regen.capacity emulate` (the README's command): one emulated server launched and gated
+    """`python -m dflash_regen.capacity emulate` (docs/capacity.md's command): one emulated server launched and gated
     by the DAG's code, calibrated on the demo prompts; `plan` re-plans a bigger run from the stored report."""
     import subprocess
     import sys

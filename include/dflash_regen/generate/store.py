@@ -13,8 +13,8 @@ and published runs alike), when a run plans; a run declares its fingerprint in `
 
 **The key.** A completion is reused when its sample id, its prompt's digest (the same id with other text is
 another prompt) and the run's generation fingerprint match. In the fingerprint is what changes what the model
-would answer; kept out, and recorded beside it, is what only changes how fast (`generation_fields`; README
-"After a failed gate, or with more prompts" says why each field is in or out).
+would answer; kept out, and recorded beside it, is what only changes how fast (`generation_fields`;
+docs/operations.md, "Reuse across runs", says why each field is in or out).
 
 **Safety.** Every file's footer and index columns are read and checked before its rows are trusted: an unreadable
 one (partial, corrupt) or one whose rows carry other sampling values or seeds than the fingerprint's is never
@@ -199,7 +199,7 @@ def sync(root: Path) -> int:
                     target.parent.mkdir(parents=True, exist_ok=True)
                     tmp = target.with_name(f".{name}.tmp")
                     tmp.unlink(missing_ok=True)
-                    os.link(path, tmp)  # the output root is one filesystem (README): a link, never a copy
+                    os.link(path, tmp)  # the output root is one filesystem (docs/operations.md): a link, never a copy
                     os.replace(tmp, target)
                     have.add((st.st_dev, st.st_ino))
                     linked += 1
