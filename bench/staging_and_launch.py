@@ -5,7 +5,7 @@
   disk (/dev/shm, where production stages). Also `stage` of the same files without a SHA256SUMS (hard
   links), which separates the hashing cost from the copy. Each is run --repeats times, alternating; the
   best run of each counts (the least disturbed by other load).
-- Fleet start: `fleet.launch_fleet` of seven emulated servers against one server (pre-flight, start, wait
+- Fleet start: `fleet.servers.launch_fleet` of seven emulated servers against one server (pre-flight, start, wait
   until every /health answers), alternating, best of --repeats.
 
     .venv/bin/python bench/staging_and_launch.py [--files 4] [--file-mb 256] [--repeats 2] [--quick]

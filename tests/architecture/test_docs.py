@@ -47,6 +47,12 @@ OLD_WORD_AS_MODULE = re.compile(rf"(?<![\w./-])(?:{'|'.join(OLD_WORDS)})\.(?!{FI
                                 rf"|(?<![\w/-])(?:{'|'.join(OLD_WORDS)})\.py\b")
 OLD_NAME = re.compile(rf"(?<![\w./-])(?:{'|'.join(OLD_NAMES)})\b")
 NOT_MODULES = {"generation.by_source_run"}  # a manifest key
+# `package.name` where the package is one of ours must name a module of it or a name its __init__ defines; these
+# are someone else's: SGLang's own package, OpenAI's object type, an Airflow task's method.
+PACKAGES = ("settings", "sglang", "chat", "prompts", "fleet", "capacity", "generate", "training", "ui", "demo",
+            "emulator")
+PACKAGE_ATTR = re.compile(rf"(?<![\w./-])(?:{'|'.join(PACKAGES)})\.(?!{FILE_SUFFIX})[A-Za-z_]\w*")
+FOREIGN = {"sglang.srt", "sglang.launch_server", "sglang.__version__", "chat.completion", "generate.expand"}
 DOTTED = re.compile(r"\bdflash_regen(?:\.\w+)+")
 
 
@@ -174,5 +180,7 @@ def test_no_comment_names_a_module_the_package_no_longer_has(path):
     stale = {m.group(0) for m in OLD_NAME.finditer(text)} | {m.group(0) for m in OLD_WORD_AS_MODULE.finditer(text)}
     stale -= NOT_MODULES
     stale |= {d for d in (m.group(0) for m in DOTTED.finditer(text)) if not d.endswith(".py") and not _resolves(d)}
+    stale |= {r for r in (m.group(0) for m in PACKAGE_ATTR.finditer(text))
+              if r not in FOREIGN and not _resolves("dflash_regen." + r)}
     assert not stale, (f"{_where(path)} names modules that do not exist (since the stage subpackages): "
                        f"{sorted(stale)}; name the new module, e.g. dflash_regen.generate.shard or generate/shard.py")

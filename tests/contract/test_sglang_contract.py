@@ -55,7 +55,7 @@ def judge(version):
 
 @pytest.fixture(scope="module")
 def emulated(version, tmp_path_factory):
-    """One emulated server in `version`'s mode, launched by `fleet.launch_fleet` (the pipeline's argv)."""
+    """One emulated server in `version`'s mode, launched by `fleet.servers.launch_fleet` (the pipeline's argv)."""
     from dflash_regen.demo.model import write_demo_model
 
     root = tmp_path_factory.mktemp(f"contract-{version}")

@@ -280,7 +280,7 @@ def healthy_servers(fleet_dir: Path, servers: list[Server]) -> list[Server]:
 @contextmanager
 def lease(fleet_dir: Path, servers: list[Server], shard: int, wait_s: float,
           avoid: dict[int, str] | None = None) -> Iterator[Server]:
-    """Hold one healthy server exclusively for the block (`with fleet.lease(...) as server:`).
+    """Hold one healthy server exclusively for the block (`with servers.lease(...) as server:`).
 
     The hold is an `flock` on `fleet/lease-<i>.lock`: it dies with the process, so a killed task never leaves a
     server leased. Never a server in `avoid` (where this shard failed before) while another is healthy; waits up
@@ -408,7 +408,7 @@ def launch_fleet(cfg: FleetConfig, model_path: Path, fleet_dir: Path) -> list[Se
 
 @contextmanager
 def running(cfg: FleetConfig, model_path: Path, fleet_dir: Path) -> Iterator[list[Server]]:
-    """A fleet for the block (`with fleet.running(...) as servers:`): launched, ready, and stopped on leaving it
+    """A fleet for the block (`with running(...) as servers:`): launched, ready, and stopped on leaving it
     however the block ends (the CLIs' and autotune's own fleets; the DAG's outlives its task, see `launch_fleet`)."""
     servers = launch_fleet(cfg, model_path, fleet_dir)
     try:

@@ -1,6 +1,6 @@
 """Generate one shard's completions on one leased server, exactly once and resumably.
 
-- **Lease**: the task holds one healthy server for the shard (`fleet.lease`); `run_shard` is the whole task.
+- **Lease**: the task holds one healthy server for the shard (`fleet.servers.lease`); `run_shard` is the whole task.
 - **Progress is keyed by `sample_id`**: finished rows go to checkpoint parts
   (`completions/shard-XXXXX/part-*.parquet`, tmp + rename) every N results or T seconds, and 4xx-rejected
   prompts to `failures/shard-XXXXX/part-*.parquet`. A rerun reads both and sends only what is missing,

@@ -39,7 +39,7 @@ TOOL_CALL_FRAME_BYTES = 64
 ARGUMENT_FRAME_BYTES = 32
 TOOLS_FRAME_BYTES = 1024 + 96  # + 96 per tool (the fields SGLang adds when it hands the tools to the template)
 HEADER_FRAME_BYTES = 32
-# The server hands the tools to the template with fields of its own (sglang.Dialect.template_tools); planning runs
+# The server hands the tools to the template with fields of its own (sglang.api.Dialect.template_tools); planning runs
 # before the fleet's version is known, so it counts them as the versions that add the most do.
 TOOLS_AS = "0.5.16"
 

@@ -25,7 +25,7 @@ from dflash_regen.settings.deployment import DEMO_MODEL, DEMO_PROMPTS, EMULATOR
 from dflash_regen.settings.params import COOKBOOK_ENV, COOKBOOK_FLAGS, SPECS, checked, defaults
 from dflash_regen.settings.params import invalid as _fail
 
-LAUNCHER_FLAGS = {"--model-path", "--model", "--host", "--port", "--api-key"}  # set per server by fleet.launch
+LAUNCHER_FLAGS = {"--model-path", "--model", "--host", "--port", "--api-key"}  # set per server by fleet.servers
 MAX_PORT = SPECS["base_port"].maximum  # the last server's port too
 
 # Default Param values (the DAG's trigger form shows them), the deployment's environment applied.
@@ -106,7 +106,7 @@ def _server_flags(text: str, name: str = "server_flags") -> list[str]:
 
 @dataclass(frozen=True)
 class SamplingConfig:
-    """How every request samples: smoke, generation and calibration send these (sglang.chat_payload)."""
+    """How every request samples: smoke, generation and calibration send these (sglang.http.chat_payload)."""
 
     max_tokens: int
     temperature: float

@@ -1,4 +1,4 @@
-"""The HTTP layer under `sglang.Api`: the session, the chat payload, SSE streaming and how errors are sorted.
+"""The HTTP layer under `sglang.api.Api`: the session, the chat payload, SSE streaming and how errors are sorted.
 
 Callers go through `dflash_regen.sglang`, which re-exports what they use; this module is apart only to keep
 each file to one concept (what SGLang versions say, vs how one request travels).

@@ -1,4 +1,4 @@
-"""The SGLang client (`sglang.stream_chat`, `sse_data`, error sorting) through a fake `requests` transport.
+"""The SGLang client (`sglang.http.stream_chat`, `sse_data`, error sorting) through a fake `requests` transport.
 
 `FakeAdapter` is mounted on a real `requests.Session`: `requests` builds the response and translates the
 transport's errors as it does for a socket, while the body arrives in exactly the reads a test gives
