@@ -130,6 +130,26 @@ def test_every_relative_markdown_link_resolves(path):
     assert not broken, f"{_where(path)} has links that do not resolve: {broken}"
 
 
+# A section cited by name: `docs/operations.md, "Reuse across runs"` or `README "Several nodes"`.
+SECTION = re.compile(r"""\b((?:docs/[\w-]+\.md)|README(?:\.md)?),? \(?["'](?!\s)([^"'\n]{3,60})["']""")
+
+
+def _headings(path: Path) -> set[str]:
+    text = re.sub(r"```.*?```", "", path.read_text(), flags=re.S)
+    return {h.strip() for h in re.findall(r"^#+\s+(.*)$", text, flags=re.M)}
+
+
+@pytest.mark.parametrize("path", [*MARKDOWN, *SOURCES], ids=_where)
+def test_every_cited_section_exists(path):
+    text = path.read_text(errors="replace") if path.suffix == ".md" else _prose_of(path)
+    missing = []
+    for page, title in SECTION.findall(text):
+        target = ROOT / ("README.md" if page.startswith("README") else page)
+        if target.is_file() and title not in _headings(target):
+            missing.append(f"{page} {title!r}")
+    assert not missing, f"{_where(path)} cites sections that do not exist: {missing}"
+
+
 def test_the_docs_folder_has_its_pages_and_the_readme_links_them():
     readme = (ROOT / "README.md").read_text()
     for page in ("architecture", "operations", "sglang-versions", "capacity", "params", "testing"):
