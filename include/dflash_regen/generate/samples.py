@@ -1,7 +1,7 @@
 """One sample's requests on one server: the payload and per-sample seed (calibration sends the same), retries with
 backoff, and a second server's opinion when every retry of one prompt meets a 5xx (whose fault is it?).
 
-The `Generator` is shared by a shard's worker threads (`generation`); a server that stops answering sets its
+The `Generator` is shared by a shard's worker threads (`generate/shard.py`); a server that stops answering sets its
 `stop` event, so the other workers end with `Stopped`, the echo of that cause.
 """
 

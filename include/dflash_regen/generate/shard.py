@@ -15,8 +15,8 @@
   answers are); a 401/403 fails the shard at once (the API key). Quarantines above `max_generate_error_share` of a
   shard fail it.
 
-One sample's requests (payload, seed, retries, second opinion) are `generator`'s; the parts and their merge are
-`checkpoints`'.
+One sample's requests (payload, seed, retries, second opinion) are `generate/samples.py`'s; the parts and their
+merge are `generate/checkpoints.py`'s.
 """
 
 from __future__ import annotations
