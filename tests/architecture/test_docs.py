@@ -57,8 +57,13 @@ DOTTED = re.compile(r"\bdflash_regen(?:\.\w+)+")
 
 
 def _tracked() -> list[Path]:
-    out = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=ROOT, capture_output=True,
-                         text=True, check=True).stdout
+    """The repository's files (git's view: tracked and new, not ignored); without git, the source folders."""
+    try:
+        out = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=ROOT, capture_output=True,
+                             text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return [p for top in ("include", "dags", "plugins", "tests", "scripts", "bench", "deploy")
+                for p in (ROOT / top).rglob("*") if p.is_file() and "__pycache__" not in p.parts]
     return [ROOT / p for p in out.splitlines() if (ROOT / p).is_file()]
 
 
