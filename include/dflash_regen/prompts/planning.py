@@ -98,9 +98,8 @@ class TokenCounter:
         from dflash_regen.chat.template import _with_parsed_arguments
 
         try:
-            # transformers annotates its (texts, generation indices) result as str and `tools` as an invariant list.
-            rendered, _ = render_jinja_template([_with_parsed_arguments(prompt.messages)],  # type: ignore[str-unpack]
-                                                tools=Dialect(TOOLS_AS).template_tools(prompt.tools),  # type: ignore[arg-type]
+            rendered, _ = render_jinja_template([_with_parsed_arguments(prompt.messages)],
+                                                tools=Dialect(TOOLS_AS).template_tools(prompt.tools),
                                                 chat_template=self._template, add_generation_prompt=True,
                                                 enable_thinking=True)
         except Exception:  # noqa: BLE001 - a prompt the template refuses: never count it shorter than it can be
