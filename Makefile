@@ -9,5 +9,6 @@ bench:  ## set up and run every benchmark (bench/results/latest.{json,md}); not 
 	bash scripts/bench.sh
 lint:
 	.venv/bin/ruff check .
+	.venv/bin/mypy
 airflow:  ## start a local Airflow with the DAG and the report pages, print URL and login
 	bash scripts/airflow.sh

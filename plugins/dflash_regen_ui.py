@@ -69,7 +69,7 @@ class AirflowRuns:
             rows = session.execute(select(DagRun.run_id, DagRun._state, DagRun.start_date, DagRun.end_date,
                                           DagRun.run_after, DagRun.conf).where(DagRun.dag_id == DAG_ID)
                                    .order_by(DagRun.run_after.desc()).limit(RUNS_LISTED)).all()
-            first = {}  # per run, its first try's start: a clear resets the run's own start date
+            first: dict[str, datetime] = {}  # per run, its first try's start: a clear resets the run's own start date
             for model in (TaskInstance, TaskInstanceHistory):
                 for run_id, start in session.execute(select(model.run_id, func.min(model.start_date))
                                                      .where(model.dag_id == DAG_ID).group_by(model.run_id)):
@@ -94,7 +94,7 @@ class AirflowRuns:
             first_try = session.execute(select(func.min(TaskInstanceHistory.start_date))
                                         .where(TaskInstanceHistory.dag_id == DAG_ID,
                                                TaskInstanceHistory.run_id == run_id)).scalar()
-        tasks = [{"task_id": t[0], "map_index": t[1], "state": t[2], "try_number": t[3], "start": _ts(t[4]),
+        tasks: list[dict] = [{"task_id": t[0], "map_index": t[1], "state": t[2], "try_number": t[3], "start": _ts(t[4]),
                   "end": _ts(t[5])} for t in tis]
         found = _run(run)
         start = _earliest(found["start"], _ts(first_try), *(t["start"] for t in tasks))

@@ -148,7 +148,8 @@ def _record_id(line: bytes) -> str:
     """A SpecForge record's id without parsing the record: `specforge_record` puts `id` first."""
     text = line.decode()
     if text.startswith('{"id": "'):
-        return json.decoder.scanstring(text, len('{"id": "'))[0]
+        # scanstring is the json module's own string decoder; typeshed leaves it out of json.decoder's stub.
+        return json.decoder.scanstring(text, len('{"id": "'))[0]  # type: ignore[attr-defined]
     return json.loads(text)["id"]
 
 

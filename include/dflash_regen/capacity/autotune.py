@@ -120,7 +120,7 @@ class Tuner:
 
     def try_one(self, index: int, cand: Candidate, sample: list[dict], budget_s: float) -> dict:
         started = time.monotonic()
-        row = {"candidate": cand.name, "flags": cand.flags, "why": cand.why}
+        row: dict = {"candidate": cand.name, "flags": cand.flags, "why": cand.why}
         try:
             ccfg = self.candidate_cfg(cand)
         except DflashError as exc:

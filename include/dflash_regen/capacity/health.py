@@ -49,8 +49,7 @@ def binding_advice(alloc: Allocation, request_tokens: int, log_figures: dict | N
         return kv_capacity, "KV tokens", (
             f"the KV cache holds only {kv_capacity} requests of ~{request_tokens:,} tokens: raise "
             "--mem-fraction-static, lower max_tokens, or lower --max-mamba-cache-size to give KV more memory")
-    if verdict.resource == "Mamba slots":
-        ratio = mem.mamba_ratio
+    if verdict.resource == "Mamba slots" and (ratio := mem.mamba_ratio):  # Mamba-capped: the ratio is known
         target = min(kv_capacity, max(2 * alloc.running_slots, alloc.running_slots + 1))
         return kv_capacity, f"Mamba slots ({alloc.mamba_slots} // {ratio} = {alloc.running_slots})", (
             f"the KV cache could hold {kv_capacity} such requests; for {target} running requests launch with "

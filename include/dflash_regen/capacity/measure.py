@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import logging
@@ -95,9 +96,8 @@ class _Level:
             payload = chat_payload(messages, tools, s.sampling, model=s.served_model_name,
                                    max_tokens=s.sampling.max_tokens, seed=sample_seed(row["sample_id"], s.seed))
             try:
-                result = with_retries(lambda p=payload: self.api.stream(p, stall_s=self.settings.stall_timeout_s,
-                                                                        cap_s=self.settings.request_cap_s,
-                                                                        stop=self.stop),
+                result = with_retries(functools.partial(self.api.stream, payload, stall_s=s.stall_timeout_s,
+                                                        cap_s=s.request_cap_s, stop=self.stop),
                                       self.settings.request_retries + 1, max_delay_s=10.0)
             except Cancelled:
                 return

@@ -18,6 +18,11 @@ GRAPH_BATCH = 8  # SGLang captures CUDA graphs at batch sizes in steps of 8: adv
 INTERVAL = (10, 90)  # percentiles of the reported interval
 
 
+def _matrix2(rows: list[list[float]]) -> tuple[tuple[float, float], tuple[float, float]]:
+    (a, b), (c, d) = rows
+    return (float(a), float(b)), (float(c), float(d))
+
+
 @dataclass(frozen=True)
 class Curve:
     """Aggregate decode throughput vs running batch: each request takes `a + k*b` seconds per token."""
@@ -53,7 +58,7 @@ class Curve:
         dof = len(b) - 2
         sigma2 = float(((x @ coef - tpot) ** 2).sum() / dof) if dof > 0 else 0.0
         cov = sigma2 * np.linalg.inv(x.T @ x)
-        return cls(a=a, k=k, cov=tuple(map(tuple, cov.tolist())), measured_up_to=up_to)
+        return cls(a=a, k=k, cov=_matrix2(cov.tolist()), measured_up_to=up_to)
 
     def to_dict(self) -> dict:
         return {"tpot_a_s": self.a, "tpot_k_s": self.k, "cov": [list(r) for r in self.cov],
@@ -63,7 +68,7 @@ class Curve:
 
     @classmethod
     def from_dict(cls, d: dict) -> Curve:
-        return cls(a=d["tpot_a_s"], k=d["tpot_k_s"], cov=tuple(map(tuple, d["cov"])),
+        return cls(a=d["tpot_a_s"], k=d["tpot_k_s"], cov=_matrix2(d["cov"]),
                    measured_up_to=d["measured_up_to"])
 
 
@@ -101,19 +106,20 @@ class Memory:
 
     @property
     def knows_pools(self) -> bool:
-        return bool(self.kv_gb and self.mamba_gb and self.mamba_slots and self.mamba_ratio
-                    and self.reserve_gb is not None and self.kv_tokens)
+        return self.kv_tokens_at(1) is not None
 
     def kv_tokens_at(self, running: int, speculative: bool = True) -> int | None:
         """KV tokens with `--max-mamba-cache-size running*ratio --max-running-requests running`, same memory
         (without MTP, `speculative=False`, the draft's reserve goes to the pool too)."""
-        if not self.knows_pools:
+        kv_gb, mamba_gb, reserve_gb, mamba_slots, ratio = (self.kv_gb, self.mamba_gb, self.reserve_gb,
+                                                           self.mamba_slots, self.mamba_ratio)
+        if not (kv_gb and mamba_gb and mamba_slots and ratio and reserve_gb is not None and self.kv_tokens):
             return None
-        pool = self.kv_gb + self.mamba_gb + self.reserve_gb
-        reserve_per_request = self.reserve_gb / (self.max_running_requests or self.running_slots) if speculative \
+        pool = kv_gb + mamba_gb + reserve_gb
+        reserve_per_request = reserve_gb / (self.max_running_requests or self.running_slots) if speculative \
             else 0.0
-        left = pool - running * self.mamba_ratio * self.mamba_gb / self.mamba_slots - running * reserve_per_request
-        return max(int(left / (self.kv_gb / self.kv_tokens)), 0)
+        left = pool - running * ratio * mamba_gb / mamba_slots - running * reserve_per_request
+        return max(int(left / (kv_gb / self.kv_tokens)), 0)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -196,7 +202,7 @@ def advise(curve: Curve, mems: list[Memory], shape: RunShape, request_tokens: fl
     if binding != "compute":
         if all(m.knows_pools for m in mems):
             fits = [n for n in range(1, 4097)
-                    if all(m.kv_tokens_at(n) >= KV_HEADROOM * n * request_tokens for m in mems)]
+                    if all((m.kv_tokens_at(n) or 0) >= KV_HEADROOM * n * request_tokens for m in mems)]
             best = max(fits, default=1)
             target = best // GRAPH_BATCH * GRAPH_BATCH if best >= GRAPH_BATCH else best
             notes.append(f"in the same memory, up to {best} running requests leave KV for {KV_HEADROOM:g}x their "

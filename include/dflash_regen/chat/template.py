@@ -211,7 +211,8 @@ def tokenize_sample(
     return ids.tolist(), mask.tolist()
 
 
-def summarize_mask(input_ids: Sequence[int], loss_mask: Sequence[int], think_end_id: int) -> MaskSummary:
+def summarize_mask(input_ids: Sequence[int] | np.ndarray, loss_mask: Sequence[int] | np.ndarray,
+                   think_end_id: int) -> MaskSummary:
     """Counts of one sample: total, supervised, and the supervised split at each turn's `</think>`.
 
     Each run of consecutive 1s is one assistant turn; its reasoning is everything up to and including its

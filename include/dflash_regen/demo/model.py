@@ -95,7 +95,7 @@ def build_qwen36_tokenizer(cache_root: Path | None = None) -> Path:
         ]
     )
     tok.post_processor = processors.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)
-    tok.decoder = decoders.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()  # the decoder takes no options (they would be ignored)
     ordered = [token for _, token in sorted(QWEN3_5_SPECIAL_TOKENS)]
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in ordered])
     for token_id, token in QWEN3_5_SPECIAL_TOKENS:

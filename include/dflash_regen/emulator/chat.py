@@ -8,6 +8,7 @@ import json
 import random
 import time
 import uuid
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -83,7 +84,7 @@ def error_response(message: str, err_type: str, code: int) -> JSONResponse:
                                                    "param": None, "code": code})
 
 
-def validation_error(errors: list[dict]) -> JSONResponse:
+def validation_error(errors: Sequence[Mapping[str, object]]) -> JSONResponse:
     """What SGLang's RequestValidationError handler returns: 400, type "Bad Request"."""
     lines = [f"  {e}" for e in errors]
     message = f"{len(errors)} validation error{'s' if len(errors) != 1 else ''}:\n" + "\n".join(lines)
@@ -261,7 +262,7 @@ class _Answer:
             end = self.gen.think_end_index
             reasoning = end + 1 if end is not None and end < len(ids) else len(ids)
         prompt = self.sreq.prompt_tokens
-        usage = {"prompt_tokens": prompt, "total_tokens": prompt + len(ids), "completion_tokens": len(ids),
+        usage: dict = {"prompt_tokens": prompt, "total_tokens": prompt + len(ids), "completion_tokens": len(ids),
                  "prompt_tokens_details": None, "reasoning_tokens": reasoning}
         if self.emu.forms.completion_tokens_details:
             usage["completion_tokens_details"] = {"reasoning_tokens": reasoning} if reasoning else None

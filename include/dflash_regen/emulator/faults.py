@@ -219,7 +219,7 @@ def load_profile(env: dict[str, str]) -> Profile:
     if preset is not None and preset not in PRESETS:
         raise EmulatorConfigError(f"{PROFILE_VAR}: key 'preset' = {preset!r} is invalid: known presets are "
                                   f"{', '.join(PRESETS)}")
-    profile = _build(Profile, PROFILE_VAR, "", {**PRESETS.get(preset, {}), **raw})
+    profile = _build(Profile, PROFILE_VAR, "", {**(PRESETS[preset] if preset is not None else {}), **raw})
     if profile.sglang_version is not None:
         from dflash_regen.emulator.versions import SUPPORTED, _key
 

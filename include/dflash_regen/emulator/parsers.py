@@ -113,7 +113,7 @@ def parse_tool_calls(text: str, tools: list[dict] | None) -> tuple[str, list[Too
     if TOOL_CALL_START not in text:
         return text, []
     schemas = _schemas(tools)
-    calls = []
+    calls: list[ToolCall] = []
     for block in _TOOL_BLOCK.finditer(text):
         fn = _FUNCTION.search(block.group(1))
         if not fn:

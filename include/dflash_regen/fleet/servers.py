@@ -172,6 +172,7 @@ def start_server(server: Server, base_env: dict[str, str], fleet_dir: Path,
         offset = logf.tell()
         proc = subprocess.Popen([*watch, *server.argv], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                 stderr=logf, env=env, start_new_session=True, close_fds=True)
+    assert proc.stdout is not None  # stdout=PIPE
     line = proc.stdout.readline()
     proc.stdout.close()
     if not line.strip().isdigit():

@@ -57,7 +57,11 @@ def merge_parts(folder: Path, target: Path, schema: pa.Schema) -> int:
         table = pa.concat_tables(tables) if tables else schema.empty_table()
         ids = table.column("sample_id").to_pylist()
         seen: set = set()
-        keep = [i for i, sid in enumerate(ids) if not (sid in seen or seen.add(sid))]
+        keep = []
+        for i, sid in enumerate(ids):
+            if sid not in seen:
+                seen.add(sid)
+                keep.append(i)
         table = table.take(pa.array(keep, pa.int64())) if len(keep) != len(ids) else table
         atomic.write_table(table, target)
         for p in sources:

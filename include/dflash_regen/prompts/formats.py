@@ -140,17 +140,19 @@ def _turns(raw: dict, fmt: str) -> tuple[str, list]:
 
 
 def _from_sharegpt(turns: list) -> list[dict]:
-    out, pending = [], []  # pending: ids of tool calls whose results have not come yet
+    out: list[dict] = []
+    pending: list[str] = []  # ids of tool calls whose results have not come yet
     for i, turn in enumerate(turns):
         where = f"conversations[{i}]"
         if not isinstance(turn, dict):
             raise _Bad("bad_shape", f"{where} must be an object, got {type(turn).__name__}")
         speaker = turn.get("from")
-        role = SHAREGPT_ROLES.get(speaker.lower()) if isinstance(speaker, str) else None
+        kind = speaker.lower() if isinstance(speaker, str) else ""
+        role = SHAREGPT_ROLES.get(kind)
         if role is None:
             raise _Bad("bad_role", f"{where}.from is {speaker!r}; must be one of {sorted(SHAREGPT_ROLES)}")
         value = turn.get("value")
-        if speaker.lower() == "function_call":
+        if kind == "function_call":
             calls = _decoded(value, f"{where}.value", "bad_tool_call")
             calls = calls if isinstance(calls, list) else [calls]
             if not all(isinstance(c, dict) and isinstance(c.get("name"), str) for c in calls):
@@ -243,7 +245,7 @@ def _arguments(args, where: str) -> str:
                                 f"{json.dumps(args)[:80]}")
 
 
-def parse_row(location: str, raw: str | dict, fmt: str = "auto") -> Prompt | Rejection:
+def parse_row(location: str, raw: object, fmt: str = "auto") -> Prompt | Rejection:
     if isinstance(raw, str):
         if not raw.strip():
             return Rejection(location, "empty", "blank line")

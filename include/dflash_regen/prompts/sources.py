@@ -95,8 +95,9 @@ def source_files(source: Path) -> list[Path]:
     return scan(source)[0]
 
 
-def iter_raw(source: Path, batch_rows: int = 4096) -> Iterator[tuple[str, str | dict]]:
-    """(location, raw row) pairs: a text line for JSON Lines, a dict otherwise. Memory stays flat."""
+def iter_raw(source: Path, batch_rows: int = 4096) -> Iterator[tuple[str, object]]:
+    """(location, raw row) pairs: a text line for JSON Lines, a JSON array's element as decoded (any JSON value),
+    a dict otherwise. Memory stays flat."""
     for path in source_files(source):
         name = str(path.relative_to(source)) if source.is_dir() else path.name
         if path.suffix == ".parquet":

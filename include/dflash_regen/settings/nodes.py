@@ -70,7 +70,7 @@ def _fail(text: str, why: str) -> ConfigError:
 
 def parse_nodes(text: str | None) -> list[Node]:
     """The nodes `DFLASH_NODES` names; [] when unset (one node, the one-node DAG)."""
-    if not (text or "").strip():
+    if text is None or not text.strip():
         return []
     try:
         items = json.loads(text)
@@ -140,8 +140,8 @@ def assign_run(layout: RunLayout, shards: list[dict], node_names: list[str], kee
     calibrated = all(r["prompts_per_s"] for r in ready.values())
     rates = {n: (r["prompts_per_s"] if calibrated else float(r["servers"])) for n, r in ready.items()}
     assigned = assign(shards, rates)
-    report = {"basis": "calibrated prompts/s" if calibrated else "healthy servers (not every node was calibrated)",
-              "left_out": left_out, "assigned_at": time.time(), "nodes": {}}
+    basis = "calibrated prompts/s" if calibrated else "healthy servers (not every node was calibrated)"
+    report: dict = {"basis": basis, "left_out": left_out, "assigned_at": time.time(), "nodes": {}}
     total_rate = sum(rates.values())
     for name, mine in assigned.items():
         prompts = sum(s["prompts"] for s in mine)

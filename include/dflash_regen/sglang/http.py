@@ -154,7 +154,9 @@ class _Assembly:
     """A streamed answer put together from its deltas (lists joined once: `+=` on an attribute copies each time)."""
 
     def __init__(self, started: float):
-        self.started, self.reasoning, self.content = started, [], []
+        self.started = started
+        self.reasoning: list[str] = []
+        self.content: list[str] = []
         self.result = ChatResult()
 
     def add(self, chunk: dict) -> None:

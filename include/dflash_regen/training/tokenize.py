@@ -112,7 +112,7 @@ def _tokens_table(sample_ids: list[str], summary: list[dict], tokenized: list[tu
     lengths = np.array([len(ids) for ids, _ in tokenized], dtype=np.int32)
     offsets = pa.array(np.concatenate(([0], np.cumsum(lengths))).astype(np.int32))
 
-    def column(values: list[np.ndarray], name: str, dtype: np.dtype) -> pa.ListArray:
+    def column(values: list[np.ndarray], name: str, dtype: type[np.integer]) -> pa.ListArray:
         flat = np.concatenate(values) if values else np.array([], dtype=dtype)
         return pa.ListArray.from_arrays(offsets, pa.array(flat.astype(dtype, copy=False)),
                                         type=TOKENIZED.field(name).type)

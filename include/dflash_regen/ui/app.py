@@ -57,7 +57,7 @@ _GX_NOISE = (".gx-docs [id$=-table-toolbar],.gx-docs .ge-index-page-tabs-contain
 _DATA_ASSET_NONE = re.compile(r"Data asset:\s*None\s*<br\s*/?>", re.IGNORECASE)
 
 
-def offline_html(html: str, pages: list[tuple[str, str]] = (), back: str = "") -> str:
+def offline_html(html: str, pages: Sequence[tuple[str, str]] = (), back: str = "") -> str:
     """GX Data Docs HTML without its CDN tags, with the report stylesheet inlined instead.
 
     `pages` ((href, label), relative to the Data Docs root) are listed at the top of the index: GX builds its
@@ -163,11 +163,14 @@ def build_app(roots: Path | Sequence[Path], auth: Callable, airflow: AirflowView
     def locate(run_id: str) -> tuple[Path | None, dict | None]:
         """The run's folder (None if it has none yet) and Airflow's record of the run (None if unknown)."""
         known = airflow_run(run_id)
-        if known is not None and (root := run_root(roots, known)) is None:
-            raise HTTPException(403, f"run {run_id!r} writes to output_root {known['output_root']}, which these "
-                                     f"pages do not serve ({', '.join(map(str, roots))}); to show it, add that "
-                                     "root to DFLASH_SERVED_ROOTS of the api-server")
-        for candidate in [root] if known is not None else roots:
+        candidates = roots
+        if known is not None:
+            if (root := run_root(roots, known)) is None:
+                raise HTTPException(403, f"run {run_id!r} writes to output_root {known['output_root']}, which "
+                                         f"these pages do not serve ({', '.join(map(str, roots))}); to show it, add "
+                                         "that root to DFLASH_SERVED_ROOTS of the api-server")
+            candidates = [root]
+        for candidate in candidates:
             try:
                 return resolve_run(candidate, run_id), known
             except RunNotFound:

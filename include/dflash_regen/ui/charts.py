@@ -5,6 +5,7 @@ Every text that reaches the SVG is escaped; the functions return markup ready to
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from html import escape
 
 WIDTH, HEIGHT, PAD_L, PAD_B, PAD_T = 720, 220, 56, 34, 14
@@ -71,7 +72,7 @@ MARK_COLOURS = {"shard failed": "#d62728", "server unhealthy": "#d62728", "retry
 
 
 def time_series(series: dict[str, list[float]], *, bin_s: float, x_title: str, y_title: str,
-                ticks: list[dict] = (), breaks: list[dict] = (), marks: list[dict] = ()) -> str:
+                ticks: Sequence[dict] = (), breaks: Sequence[dict] = (), marks: Sequence[dict] = ()) -> str:
     """One line per name over equal time bins; a legend below names the colours.
 
     `ticks` ({at, elapsed_s}) label the x axis at bin positions (elapsed time since the start); `breaks`

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -61,7 +62,8 @@ def shards(run: Path, airflow_run: dict | None = None, now: float | None = None)
         status = statuses.get(n) or {}
         attempts = status.get("attempts", [])
         ti = tis.get(n)
-        outcomes = [_attempt_outcome(a, i + 1 < len(attempts), ti and ti["state"]) for i, a in enumerate(attempts)]
+        ti_state = ti["state"] if ti else None
+        outcomes = [_attempt_outcome(a, i + 1 < len(attempts), ti_state) for i, a in enumerate(attempts)]
         last = attempts[-1] if attempts else {}
         state = (ti or {}).get("state") or (outcomes[-1] if outcomes else None)
         if state is None:
@@ -105,9 +107,9 @@ def incidents(run: Path, shard_rows: list[dict]) -> list[dict]:
             continue
         if (reason, round(at)) not in logged:
             out.append({"at": at, "kind": "server unhealthy", "text": reason})
-    launches = [r.get("launched_at") for r in (_json(p) for f in fleets for p in f.server_specs()) if r]
+    specs = (_json(p) for f in fleets for p in f.server_specs())
+    launches = [r["launched_at"] for r in specs if r and r.get("launched_at")]
     first_attempt = min((a["started_at"] for row in shard_rows for a in row["history"]), default=None)
-    launches = [t for t in launches if t]
     if launches and first_attempt is not None and min(launches) > first_attempt:
         out.append({"at": min(launches), "kind": "relaunch",
                     "text": f"fleet relaunched ({len(launches)} servers) after shard work had started"})
@@ -175,7 +177,7 @@ def _segments(stamps: np.ndarray, cells: int = 4000) -> list[tuple[float, float]
     return out
 
 
-def throughput_series(by_server: dict[str, tuple[np.ndarray, np.ndarray]], marks: list[dict] = (),
+def throughput_series(by_server: dict[str, tuple[np.ndarray, np.ndarray]], marks: Sequence[dict] = (),
                       points: int = THROUGHPUT_POINTS) -> dict:
     """Output tok/s per server over the time the fleet worked, pauses cut out (a break marks each, with its
     length), and `marks` ({at, kind, text}) placed on the same axis. Positions are in bins."""
