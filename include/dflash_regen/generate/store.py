@@ -32,6 +32,7 @@ import logging
 import os
 import shutil
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pyarrow as pa
@@ -51,6 +52,7 @@ from dflash_regen.layout import (
     shard_of,
     store_dir,
 )
+from dflash_regen.prompts import inputs, planning
 from dflash_regen.prompts.formats import prompt_digest
 from dflash_regen.schemas import COMPLETION, QUARANTINE
 from dflash_regen.settings.run_config import RunConfig, sample_seed
@@ -380,6 +382,23 @@ def plan_reuse(cfg: RunConfig, shards: list[dict], model_dir: Path) -> dict:
     if not reused and prompts:
         report["why_none"] = _why_none(root, print_, fields, prompts)
     return report
+
+
+def plan_run(cfg: RunConfig, source: Path, model_dir: Path, max_shards: int) -> list[dict]:
+    """The plan_shards task: the prompts planned into shards (at most `max_shards`), every completion the store
+    holds for them placed (Param reuse), reports/plan.json. Returns the shard descriptors for the mapped tasks:
+    small dicts, never the prompts themselves."""
+    inputs.check_output_root(cfg.output_root)  # runs beside stage_weights: fail as clearly, not retried
+    plan = planning.plan_shards(source, cfg.layout, replace(cfg.plan, max_shards=max_shards))
+    shards = [dict(s) for s in plan["shards"]]
+    reuse = plan_reuse(cfg, shards, model_dir)  # sets each shard's to_generate
+    log.info("completion store (Param reuse = %s): %d of %d prompts reused, %d to generate%s%s", cfg.reuse,
+             reuse["reused"], reuse["prompts"], reuse["to_generate"],
+             f"; nothing reused: {reuse['why_none']}" if reuse.get("why_none") else "",
+             f"; {reuse['problems_line']}" if reuse.get("problems_line") else "")
+    cfg.layout.write_report("plan", {k: v for k, v in plan.items() if k != "shards"} | {"shards": len(shards),
+                                                                                       "reuse": reuse})
+    return [{**s, "run_prompts": reuse["to_generate"]} for s in shards]
 
 
 def _by_source_run(layout: RunLayout) -> dict[str, int]:
