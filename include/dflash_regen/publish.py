@@ -306,9 +306,10 @@ def publish_validated(cfg: RunConfig, validated: dict, config: dict, model_dir: 
     if not report["success"]:
         raise GateFailed("the quality report says the gate failed; refusing to publish")
     if (report["kept"], report["quarantined"]) != (validated["kept"], validated["quarantined"]):
-        raise PublishRefused(f"{cfg.layout.report('quality')} counts {report['kept']:,} kept, {report['quarantined']:,} "
-                         f"quarantined but validate passed {validated['kept']:,}, {validated['quarantined']:,}: "
-                         "refusing to publish; clear validate (with Downstream) to check the run again")
+        raise PublishRefused(f"{cfg.layout.report('quality')} counts {report['kept']:,} kept, "
+                             f"{report['quarantined']:,} quarantined but validate passed {validated['kept']:,}, "
+                             f"{validated['quarantined']:,}: refusing to publish; clear validate (with Downstream) "
+                             "to check the run again")
     clean_stale_tmp(cfg.publish_dir.parent)
     plan = json.loads(cfg.layout.plan.read_text())
     manifest = publish_run(cfg.layout, cfg.publish_dir, plan, report, config, model_dir,
