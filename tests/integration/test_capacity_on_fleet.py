@@ -116,7 +116,7 @@ def test_a_run_can_apply_the_advised_client_concurrency_and_its_eta_uses_the_cal
     health = health_gate(servers, key, cfg.fleet)
     shape = capacity.RunShape(prompts=plan["accepted"], servers=1, shard_size=20)
     report = capacity.calibrate(servers[0], key, health, plan["shards"], cfg.generation, shape, prompts=32)
-    tasks.write_report(cfg, "capacity", report)
+    cfg.layout.write_report("capacity", report)
     assert report["advice"]["concurrency_per_server"] == 18
     params = {**launch.params, "apply_advised_concurrency": True}
     assert RunConfig.from_params(params, "test_run").capacity.apply_advised_concurrency
@@ -139,7 +139,7 @@ def test_a_rerun_of_calibrate_reuses_its_measurement_and_measures_again_when_a_s
 
     cfg, servers, key = launch(num_servers=1, calibration_prompts=32)
     plan = planned(cfg, tmp_path, 40, shard_size=20)
-    tasks.write_report(cfg, "health", health_gate(servers, key, cfg.fleet))
+    cfg.layout.write_report("health", health_gate(servers, key, cfg.fleet))
     launched = {"fleet_dir": str(cfg.fleet_dir)}
 
     def tokens_served() -> float:
