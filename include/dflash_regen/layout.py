@@ -46,6 +46,11 @@ def runs_dir(output_root: Path) -> Path:
     return output_root / "runs"
 
 
+def report_file(name: str, suffix: str = ".json") -> str:
+    """A report's file name in a reports folder: `<name>.json`, or its table for people to read (`.md`)."""
+    return f"{name}{suffix}"
+
+
 def run_lock(output_root: Path) -> Path:
     """`<output_root>/run.lock`: which run holds the output root (dflash_regen.fleet.runlock)."""
     return output_root / "run.lock"
@@ -308,7 +313,7 @@ class RunLayout:
 
     def report(self, name: str) -> Path:
         """reports/<name>.json: a report of the whole run (plan, quality, assignment...)."""
-        return self.reports_dir / f"{name}.json"
+        return self.reports_dir / report_file(name)
 
     def write_report(self, name: str, report: dict) -> Path:
         """Write a report where it belongs: the fleet's own (NODE_REPORTS) per node, the others per run."""
@@ -340,7 +345,7 @@ class RunLayout:
 
     def node_report(self, name: str, node: str | None = None) -> Path:
         """<name>.json among this node's reports (or `node`'s)."""
-        return self.reports_of(self.node if node is None else node) / f"{name}.json"
+        return self.reports_of(self.node if node is None else node) / report_file(name)
 
     def report_nodes(self) -> list[str]:
         """The nodes that have a reports folder, by name."""

@@ -35,13 +35,13 @@ from dflash_regen.capacity.health import health_gate
 from dflash_regen.errors import DflashError, GateFailed
 from dflash_regen.fleet import servers as fleet_servers
 from dflash_regen.fleet import smoke
-from dflash_regen.layout import FleetFiles
+from dflash_regen.layout import FleetFiles, report_file
 from dflash_regen.prompts.planning import accepted, to_generate
 from dflash_regen.settings.run_config import RunConfig
 
 log = logging.getLogger(__name__)
 
-REPORT = "autotune.json"
+REPORT = report_file("autotune")
 MODES = ("off", "advise", "apply")
 MIN_GAIN = 0.02  # a winner must beat the current settings by more than this (measurement noise)
 BATCH_MULTIPLES = (2, 4)  # Mamba pools for these multiples of the current running batch
@@ -351,7 +351,7 @@ def format_table(report: dict) -> str:
 def write_report(reports_dir: Path, report: dict) -> None:
     report["table"] = table_rows(report)  # as people read it (the Fleet page shows it)
     atomic.write_json(reports_dir / REPORT, report)
-    atomic.write_text(reports_dir / "autotune.md", format_table(report) + "\n")
+    atomic.write_text(reports_dir / report_file("autotune", ".md"), format_table(report) + "\n")
 
 
 def read_report(reports_dir: Path) -> dict | None:

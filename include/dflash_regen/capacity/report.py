@@ -26,13 +26,14 @@ from dflash_regen.capacity.model import (
 from dflash_regen.errors import CapacityError, TooFewPrompts
 from dflash_regen.fleet import servers as fleet_servers
 from dflash_regen.fleet.servers import Server
+from dflash_regen.layout import report_file
 from dflash_regen.prompts.planning import to_generate
 from dflash_regen.settings.nodes import READY
 from dflash_regen.settings.run_config import GenerationSettings, RunConfig
 
 log = logging.getLogger(__name__)
 
-REPORT = "capacity.json"
+REPORT = report_file("capacity")
 SCHEMA_VERSION = 1
 
 
