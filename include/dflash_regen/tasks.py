@@ -17,17 +17,16 @@ from pathlib import Path
 from airflow.sdk.configuration import conf
 from airflow.sdk.exceptions import AirflowFailException, AirflowSkipException
 
-from dflash_regen import layout, publish, quality
+from dflash_regen import publish, quality
 from dflash_regen.capacity import autotune, health, report
-from dflash_regen.demo.model import write_demo_model
-from dflash_regen.demo.prompts import write_demo_prompts
+from dflash_regen.demo.model import model_source
+from dflash_regen.demo.prompts import prompt_source
 from dflash_regen.errors import Drained, NotRetryable
 from dflash_regen.fleet import runlock, servers, smoke, staging
 from dflash_regen.generate import store
-from dflash_regen.generate.shard import drain_request, run_shard
-from dflash_regen.prompts.planning import accepted
+from dflash_regen.generate.shard import run_shard
 from dflash_regen.settings import nodes
-from dflash_regen.settings.run_config import DEMO_MODEL, DEMO_PROMPTS, RunConfig
+from dflash_regen.settings.run_config import RunConfig
 from dflash_regen.training import tokenize
 
 log = logging.getLogger(__name__)
@@ -83,17 +82,8 @@ def leave_out_node(fn):
     return wrapper
 
 
-def _model_source(cfg: RunConfig) -> Path:
-    """The model dir to stage (the demo's stand-in, written on first use, for Param model_source_dir = demo)."""
-    if cfg.model_source_dir != DEMO_MODEL:
-        return Path(cfg.model_source_dir)
-    source = write_demo_model(layout.demo_model_dir(cfg.output_root), with_tokenizer=True)  # idempotent
-    log.info("demo: a stand-in model dir at %s", source)
-    return source
-
-
 def _model_dir(cfg: RunConfig) -> Path:
-    return staging.model_dir(cfg, _model_source(cfg))
+    return staging.model_dir(cfg, model_source(cfg))
 
 
 def _run_is_active(run_id: str) -> bool:
@@ -111,7 +101,7 @@ def _run_is_active(run_id: str) -> bool:
 def _check_inputs(params: dict, run_id: str) -> dict:
     cfg = RunConfig.from_params(params, run_id)  # validates every Param before any GPU work
     runlock.open_run(cfg, run_id, _run_is_active)
-    return {"model_source_dir": str(_model_source(cfg))}
+    return {"model_source_dir": str(model_source(cfg))}
 
 
 @fail_fast
@@ -127,11 +117,8 @@ def stage_weights(params: dict, run_id: str, shards: list[dict] | None = None, c
     """One node: the run's inputs and lock checked here (`checked` None); several: by check_inputs."""
     checked = checked or _check_inputs(params, run_id)
     cfg = _cfg(params, run_id, node)
-    if shards is not None and store.nothing_to_generate(shards):
-        # Skipped: the fleet setups and its teardown skip after it; tokenize, validate and publish run.
-        raise AirflowSkipException(f"nothing to generate: the completion store holds all {accepted(shards):,} "
-                                   "prompts' completions under this run's generation settings (reports/plan.json "
-                                   "`reuse`), so no weights are staged and no server is launched or gated")
+    if shards is not None and (why := store.nothing_to_generate(shards)):
+        raise AirflowSkipException(why)  # the fleet setups and its teardown skip after it; tokenize and the rest run
     nodes.forget_decision(cfg.layout)  # a run (or the same run id again) decides afresh whether the node takes part
     return staging.stage_run(cfg, Path(checked["model_source_dir"]))
 
@@ -189,11 +176,9 @@ def assign_shards(params: dict, run_id: str, shards: list[dict], node_names: lis
 def plan_shards(params: dict, run_id: str) -> list[dict]:
     """Shard descriptors for `generate.expand()`: small dicts, never the prompts themselves."""
     cfg = RunConfig.from_params(params, run_id)
-    demo = cfg.prompt_source == DEMO_PROMPTS
-    source = write_demo_prompts(layout.demo_prompts_file(cfg.output_root)) if demo else Path(cfg.prompt_source)
     # Airflow fails the expansion of more mapped tasks than this, after planning: refuse them here with the fix.
     max_shards = conf.getint("core", "max_map_length", fallback=1024)
-    return store.plan_run(cfg, source, _model_source(cfg), max_shards)
+    return store.plan_run(cfg, prompt_source(cfg), model_source(cfg), max_shards)
 
 
 @fail_fast
@@ -209,12 +194,11 @@ def tokenize_shard(params: dict, run_id: str, generated: dict | None, node: dict
                    shard: dict | None = None) -> dict:
     """`generated` is None when generate was skipped: the store supplied the whole run (`plan_reuse` merged it)."""
     cfg = _cfg(params, run_id, node)  # the tokenizer is in the node's staged model dir
-    index = generated["shard"] if generated else shard["shard"]
-    path = Path(generated["path"]) if generated else cfg.layout.merged(layout.COMPLETIONS, index)
-    if not path.is_file() and (request := drain_request(cfg.layout.drain_request)):
-        raise AirflowSkipException(f"shard {index} is not tokenized: the run was drained by {request['by']} before "
-                                   "its generation finished")
-    return tokenize.tokenize_completions(cfg, index, path, _model_dir(cfg))
+    index, path = (generated["shard"], Path(generated["path"])) if generated else (shard["shard"], None)
+    try:
+        return tokenize.tokenize_completions(cfg, index, path, _model_dir(cfg))
+    except Drained as exc:  # the operator's drain: not a failure, nothing to retry
+        raise AirflowSkipException(str(exc)) from exc
 
 
 @fail_fast

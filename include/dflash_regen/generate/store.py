@@ -417,8 +417,13 @@ def provenance(layout: RunLayout) -> dict:
             "by_source_run": _by_source_run(layout)}
 
 
-def nothing_to_generate(shards: list[dict]) -> bool:
-    return bool(shards) and all(s.get("to_generate", s["prompts"]) == 0 for s in shards)
+def nothing_to_generate(shards: list[dict]) -> str | None:
+    """Why the run needs no fleet (the store holds every planned prompt's completion), or None."""
+    if not shards or any(s.get("to_generate", s["prompts"]) for s in shards):
+        return None
+    return (f"nothing to generate: the completion store holds all {planning.accepted(shards):,} prompts' "
+            "completions under this run's generation settings (reports/plan.json `reuse`), so no weights are "
+            "staged and no server is launched or gated")
 
 
 # ------------------------------------------------------------------------------------------ list, prune

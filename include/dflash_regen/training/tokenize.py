@@ -22,8 +22,9 @@ import pyarrow.parquet as pq
 from dflash_regen import atomic
 from dflash_regen.chat import conversation
 from dflash_regen.chat.template import TokenizeError, load_tokenizer, summarize_mask, tokenize_batch
-from dflash_regen.errors import NotRetryable
-from dflash_regen.layout import RunLayout
+from dflash_regen.errors import Drained, NotRetryable
+from dflash_regen.generate.shard import drain_request
+from dflash_regen.layout import COMPLETIONS, RunLayout
 from dflash_regen.schemas import SUMMARY, TOKENIZED
 from dflash_regen.settings.run_config import RunConfig
 from dflash_regen.sglang.api import Dialect
@@ -131,9 +132,15 @@ def _input_turns_after_last_user(messages: list[dict]) -> bool:
     return any(m["role"] == "assistant" for m in messages[last_user + 1:])
 
 
-def tokenize_completions(cfg: RunConfig, shard: int, completions: Path, model_dir: Path) -> dict:
-    """The tokenize task: shard `shard`'s completions (at `completions`) tokenized with the chat template of the
-    model in `model_dir`, its tools rendered as the SGLang version that served them did."""
+def tokenize_completions(cfg: RunConfig, shard: int, completions: Path | None, model_dir: Path) -> dict:
+    """The tokenize task: shard `shard`'s completions (at `completions`, its generate's result; None when generate
+    was skipped, the store having supplied the shard) tokenized with the chat template of the model in
+    `model_dir`, its tools rendered as the SGLang version that served them did. `Drained` when the run was drained
+    before the shard's generation finished."""
+    completions = completions or cfg.layout.merged(COMPLETIONS, shard)
+    if not completions.is_file() and (request := drain_request(cfg.layout.drain_request)):
+        raise Drained(f"shard {shard} is not tokenized: the run was drained by {request['by']} before its generation "
+                      "finished")
     if not completions.is_file():
         raise NotRetryable(f"shard {shard} has no completions at {completions} and its generate did not run "
                            "(skipped); clear plan_shards with Downstream to plan and generate the run again")

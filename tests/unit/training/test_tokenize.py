@@ -31,3 +31,13 @@ def test_a_shard_without_completions_fails_at_once_naming_what_to_clear(run_para
     missing = cfg.layout.merged("completions", 3)
     with pytest.raises(NotRetryable, match=r"^shard 3 has no completions at .*clear plan_shards with Downstream"):
         tokenize.tokenize_completions(cfg, 3, missing, tmp_path / "no-model")
+
+
+def test_a_shard_the_drain_kept_from_its_completions_is_drained_not_failed(run_params, tmp_path):
+    from dflash_regen import atomic
+    from dflash_regen.errors import Drained
+
+    cfg = RunConfig.from_params(run_params(), "r1")
+    atomic.write_json(cfg.layout.drain_request, {"by": "ops", "at": 0})
+    with pytest.raises(Drained, match="^shard 2 is not tokenized: the run was drained by ops"):
+        tokenize.tokenize_completions(cfg, 2, None, tmp_path / "no-model")  # generate skipped: the merged file
