@@ -180,7 +180,8 @@ def dflash_regen():
     def gpu_node(node: nodes.Node | None, shards, checked, assigned):
         """One GPU node's tasks: its staging, fleet setups (gated, tuned, calibrated), its shards and its teardown,
         on its own queue. The one-node deployment is a group of one, its task ids without a node prefix."""
-        spec, on_node = (node.to_dict(), {"queue": node.queue} if node.queue else {}) if node else (None, {})
+        spec = node.to_dict() if node else None
+        on_node = {"queue": node.queue} if node and node.queue else {}  # queue cannot be mapped: one group per node
         # One node stages after planning (so a run the store completes skips the fleet); several after check_inputs.
         staged = stage_weights.override(**on_node)(None if node else shards, checked, node=spec)
         fleet = launch_fleet.override(**on_node)(staged, node=spec)
@@ -213,5 +214,6 @@ def dflash_regen():
     validated = validate(shards)
     tokenized >> validated
     chain(validated, publish(validated), check_published())
+
 
 dflash_regen()
