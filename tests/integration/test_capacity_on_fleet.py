@@ -161,6 +161,13 @@ def test_a_rerun_of_calibrate_reuses_its_measurement_and_measures_again_when_a_s
     left = [{**s, "to_generate": 5} for s in plan["shards"]]
     tasks.calibrate({**launch.params, "calibration_prompts": 40}, "test_run", launched, left)
     assert capacity.read_report(cfg.node_reports_dir)["run"]["prompts"] == 10
+    # the fleet autotune left runs its applied flags on top: calibrate measures it as such, and again
+    served = tokens_served()
+    tuned = {**launched, "applied_flags": "--max-running-requests 16"}
+    tasks.calibrate({**launch.params, "calibration_prompts": 40}, "test_run", tuned, left)
+    assert tokens_served() > served, "the fleet autotune relaunched with other flags reused the old measurement"
+    assert capacity.read_report(cfg.node_reports_dir)["scenarios"][0]["server_flags"].endswith(
+        "--max-running-requests 16")
 
 
 def test_the_planner_cli_emulates_a_gated_server_calibrates_it_and_replans_from_its_report(tmp_path,
