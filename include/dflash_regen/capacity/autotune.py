@@ -359,12 +359,6 @@ def read_report(reports_dir: Path) -> dict | None:
     return json.loads(path.read_text()) if path.is_file() else None
 
 
-def applied_flags(reports_dir: Path) -> str | None:
-    """The flags `apply` launched the fleet with on top of server_flags ('' = the run's own), None if not applied."""
-    report = read_report(reports_dir)
-    return report.get("applied_flags") if report and report.get("mode") == "apply" else None
-
-
 def fingerprint(cfg: RunConfig, run_prompts: int) -> str:
     """What a stored report was measured for: the fleet's settings, the candidates and the tuning budget, the
     sample (its size, seed and sampling: max_tokens and temperature change the curve), the train-length budget
