@@ -39,15 +39,17 @@ def phase(work, source, run_id: str, speedup: float, **params) -> dict:
     from dflash_regen import tasks
     from dflash_regen.capacity import autotune
     from dflash_regen.capacity.health import health_gate
+    from dflash_regen.fleet.servers import fleet_value
 
     with emulated_fleet(work, 1, profile(speedup), run_id=run_id, min_kv_tokens=0, min_running_requests=1,
                         shard_size=params.pop("shard_size"), **params) as fl:
         planned = plan(fl.params, run_id, source)
-        tasks.write_report(fl.cfg, "health", health_gate(fl.servers, fl.key, fl.cfg.fleet))
+        fl.cfg.layout.write_report("health", health_gate(fl.servers, fl.key, fl.cfg.fleet))
         tuned = {}
         if fl.params["autotune"] != "off":
             started = time.monotonic()
-            tuned = tasks.autotune_fleet(fl.params, run_id, str(work / "model"), planned["shards"])
+            launched = fleet_value(fl.cfg.fleet_dir, fl.servers)
+            tuned = tasks.autotune_fleet(fl.params, run_id, str(work / "model"), launched, planned["shards"])
             tuned["autotune_task_s"] = round(time.monotonic() - started, 1)
             report = autotune.read_report(fl.cfg.reports_dir)
             chosen = next((r for r in report["candidates"] if r.get("chosen")), {})

@@ -27,6 +27,7 @@ its fleet setups, its share of the shards (by the rate `calibrate` measured on i
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 
 from airflow.sdk import Asset, Param, TaskGroup, chain, dag, setup, task, task_group, teardown
@@ -69,10 +70,11 @@ PARAMS = {name: Param(**spec) for name, spec in trigger_form(DEPLOYMENT, nodes=b
                   "on_retry_callback": tasks.log_reason, **NODE_QUEUE},
 )
 def dflash_regen():
-    # After planning: when the completion store holds every prompt's completion it skips (and the fleet with it).
+    # One node: after planning, skipped when the completion store holds every prompt's completion (and the fleet
+    # with it). Several: after check_inputs, one per node (to its own RAM disk).
     @task
-    def stage_weights(shards: list[dict], params=None, run_id=None) -> dict:
-        return tasks.stage_weights(params, run_id, shards)
+    def stage_weights(shards: list[dict] | None, checked: dict | None, params=None, run_id=None, node=None) -> dict:
+        return tasks.stage_weights(params, run_id, shards, checked, node=node)
 
     @setup
     @task
@@ -89,11 +91,12 @@ def dflash_regen():
     def smoke_test(fleet: dict, params=None, run_id=None, node=None) -> dict:
         return tasks.smoke_test(params, run_id, fleet, node=node)
 
-    # Tries server settings on the first GPU and, with Param autotune = apply, relaunches the fleet with the fastest.
+    # Tries server settings on the first GPU and, with Param autotune = apply, relaunches the fleet with the fastest;
+    # returns the fleet it leaves, the one calibrate measures.
     @setup
     @task(retries=0)
-    def autotune(staged: dict, shards: list[dict], params=None, run_id=None, node=None) -> dict:
-        return tasks.autotune_fleet(params, run_id, staged["model_path"], shards, node=node)
+    def autotune(staged: dict, fleet: dict, shards: list[dict], params=None, run_id=None, node=None) -> dict:
+        return tasks.autotune_fleet(params, run_id, staged["model_path"], fleet, shards, node=node)
 
     @task
     def plan_shards(params=None, run_id=None) -> list[dict]:
@@ -115,13 +118,14 @@ def dflash_regen():
     def tokenize(generated: dict | None, shard: dict, params=None, run_id=None, node=None) -> dict:
         return tasks.tokenize_shard(params, run_id, generated, node=node, shard=shard)
 
-    @task(retries=0)
+    # Several nodes: a node left out (its tasks skipped) does not stop validation of the others' shards.
+    @task(retries=0, trigger_rule="none_failed_min_one_success" if NODES else "all_success")
     def validate(shards: list[dict], params=None, run_id=None) -> dict:
         return tasks.validate(params, run_id, shards)
 
     @task(outlets=[DATASET])
-    def publish(params=None, run_id=None, outlet_events=None) -> dict:
-        result = tasks.publish_dataset(params, run_id)
+    def publish(validated: dict, params=None, run_id=None, outlet_events=None) -> dict:
+        result = tasks.publish_dataset(params, run_id, validated)
         outlet_events[DATASET].extra = result
         return result
 
@@ -139,46 +143,10 @@ def dflash_regen():
     def check_published(params=None, run_id=None) -> dict:
         return tasks.check_published(params, run_id)
 
-    def per_shard(shards, ready, stop, node: dict | None = None, on_node: dict | None = None):
-        """generate -> tokenize for each shard, one mapped task group: a shard's tokenize starts when its own
-        generate ends (the CPU work overlaps the GPU work), and a failed shard holds back only its own. The
-        teardown waits for generation alone. prefix_group_id=False keeps the task ids (generate, or
-        <node>.generate) that a clear, the README and the report pages name."""
-        prefix, on_node = (f"{node['name']}." if node else ""), on_node or {}
-
-        @task_group(group_id="shard", prefix_group_id=False)
-        def shard_tasks(shard: dict):
-            # By keyword: the map index templates read their task's keyword arguments (shard, generated).
-            generated = generate.override(task_id=prefix + "generate", **on_node)(shard=shard, node=node)
-            ready >> generated >> stop  # the servers are not needed past generation
-            tokenized = tokenize.override(task_id=prefix + "tokenize", **on_node)
-            return tokenized(generated=generated, shard=shard, node=node)
-
-        return shard_tasks.expand(shard=shards)
-
-    if not NODES:
-        shards = plan_shards()  # consults the completion store: what is left to generate
-        staged = stage_weights(shards)
-        fleet = launch_fleet(staged)
-        calibrated = calibrate(fleet, shards)  # measures one server on the run's own prompts, predicts the run
-        gates = [health_check(fleet), smoke_test(fleet), autotune(staged, shards), calibrated]
-        chain(*gates)
-        stop = stop_fleet(fleet)
-        # Every setup tied to the teardown: a setup then scopes only the tasks up to it (generate), so fleet setups
-        # skipped for a run the store completes skip no tokenize, validate or publish.
-        gates >> stop
-        tokenized = per_shard(shards, calibrated, stop)
-        chain(tokenized, validate(shards), publish(), check_published())
-        return
-
-    # Several nodes: per node, its fleet setups, shards and teardown on its own queue (queue cannot be mapped).
+    # Several nodes only: the inputs and lock once for all nodes, and the shards split by each node's measured rate.
     @task
     def check_inputs(params=None, run_id=None) -> dict:
         return tasks.check_inputs(params, run_id)
-
-    @task
-    def stage_node(checked: dict, params=None, run_id=None, node=None) -> dict:
-        return tasks.stage_node(params, run_id, checked, node=node)
 
     @task(trigger_rule="none_failed")  # a node left out (skipped) does not stop the others
     def assign_shards(shards: list[dict], params=None, run_id=None) -> dict:
@@ -192,30 +160,60 @@ def dflash_regen():
     def node_shards(assigned: dict, name: str) -> list[dict]:
         return assigned[name]
 
-    checked_inputs, shards = check_inputs(), plan_shards()
-    assigned = assign_shards(shards)
-    tokenized = []
-    for node in NODES:
-        on_node = {"queue": node.queue} if node.queue else {}
-        spec = node.to_dict()
-        with TaskGroup(node.name, tooltip=f"GPU node {node.name} (queue {node.queue or 'default'})"):
-            staged = stage_node.override(task_id="stage_weights", **on_node)(checked_inputs, node=spec)
-            fleet = launch_fleet.override(**on_node)(staged, node=spec)
-            health = health_check.override(**on_node)(fleet, node=spec)
-            checked = smoke_test.override(**on_node)(fleet, node=spec)
-            tuned = autotune.override(**on_node)(staged, shards, node=spec)
-            calibrated = calibrate.override(**on_node)(fleet, shards, node=spec)
-            chain(health, checked, tuned, calibrated)
-            stop = stop_fleet.override(**on_node)(fleet)
-            # Each setup gets this node's teardown, so clearing a shard of another node leaves them alone
-            # (Airflow re-runs an upstream setup that has no teardown, whichever node it belongs to).
-            [health, checked, tuned, calibrated] >> stop
+    def per_shard(shards, ready, stop, node: dict | None, on_node: dict):
+        """generate -> tokenize for each shard, one mapped task group: a shard's tokenize starts when its own
+        generate ends (the CPU work overlaps the GPU work), and a failed shard holds back only its own. The
+        teardown waits for generation alone. prefix_group_id=False keeps the task ids (generate, or
+        <node>.generate) that a clear, the README and the report pages name."""
+        prefix = f"{node['name']}." if node else ""
+
+        @task_group(group_id="shard", prefix_group_id=False)
+        def shard_tasks(shard: dict):
+            # By keyword: the map index templates read their task's keyword arguments (shard, generated).
+            generated = generate.override(task_id=prefix + "generate", **on_node)(shard=shard, node=node)
+            ready >> generated >> stop  # the servers are not needed past generation
+            tokenized = tokenize.override(task_id=prefix + "tokenize", **on_node)
+            return tokenized(generated=generated, shard=shard, node=node)
+
+        return shard_tasks.expand(shard=shards)
+
+    def gpu_node(node: nodes.Node | None, shards, checked, assigned):
+        """One GPU node's tasks: its staging, fleet setups (gated, tuned, calibrated), its shards and its teardown,
+        on its own queue. The one-node deployment is a group of one, its task ids without a node prefix."""
+        spec = node.to_dict() if node else None
+        on_node = {"queue": node.queue} if node and node.queue else {}  # queue cannot be mapped: one group per node
+        # One node stages after planning (so a run the store completes skips the fleet); several after check_inputs.
+        staged = stage_weights.override(**on_node)(None if node else shards, checked, node=spec)
+        fleet = launch_fleet.override(**on_node)(staged, node=spec)
+        health = health_check.override(**on_node)(fleet, node=spec)
+        smoked = smoke_test.override(**on_node)(fleet, node=spec)
+        tuned = autotune.override(**on_node)(staged, fleet, shards, node=spec)
+        calibrated = calibrate.override(**on_node)(tuned, shards, node=spec)  # one server, on the run's own prompts
+        gates = [health, smoked, tuned, calibrated]
+        chain(*gates)
+        stop = stop_fleet.override(**on_node)(fleet)  # launch's fleet dir: stopped even when autotune failed
+        # Every setup tied to the node's teardown: a setup then scopes only the tasks up to it (generate), so fleet
+        # setups skipped for a run the store completes skip no tokenize, validate or publish; and clearing a shard
+        # of another node leaves them alone (Airflow re-runs an upstream setup that has no teardown, whichever
+        # node it belongs to).
+        gates >> stop
+        mine = shards
+        if node:
             node_ready.override(**on_node)(calibrated, node=spec) >> assigned  # skipped when the node is left out
             mine = node_shards(assigned, node.name)
-            tokenized.append(per_shard(mine, calibrated, stop, node=spec, on_node=on_node))
-    validated = validate.override(trigger_rule="none_failed_min_one_success")(shards)
+        return per_shard(mine, calibrated, stop, spec, on_node)
+
+    shards = plan_shards()  # consults the completion store: what is left to generate
+    checked, assigned = (check_inputs(), assign_shards(shards)) if NODES else (None, None)
+    tokenized = []
+    for node in NODES or [None]:
+        group = TaskGroup(node.name, tooltip=f"GPU node {node.name} (queue {node.queue or 'default'})") if node \
+            else contextlib.nullcontext()
+        with group:
+            tokenized.append(gpu_node(node, shards, checked, assigned))
+    validated = validate(shards)
     tokenized >> validated
-    chain(validated, publish(), check_published())
+    chain(validated, publish(validated), check_published())
 
 
 dflash_regen()

@@ -17,7 +17,14 @@
       autotune/[<node>/] candidate-<i>/ (a one-server fleet directory each)
 
 With several nodes the fleet, its reports and its autotune candidates are per node (`node`); everything
-else is per run. No other module spells these names: a stage, a report page or a test asks the layout.
+else is per run. Beside `runs/`, the output root holds
+
+    run.lock                       the run lock (dflash_regen.fleet.runlock)              (run_lock)
+    published/<name>/<run_id>/     a published version, manifest.json in it (dflash_regen.publish)
+    demo-model/, demo-prompts/     the demo's stand-in model and prompts, written on first use
+    store/                         the completion store                                  (store_dir)
+
+No other module spells these names: a stage, a report page or a test asks the layout.
 """
 
 from __future__ import annotations
@@ -25,14 +32,60 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from dflash_regen import atomic
+
 COMPLETIONS, FAILURES = "completions", "failures"  # the two kinds of checkpointed shard results
 _SHARD = "shard-"
+# The reports (reports/<name>.json) of the fleet, one set per node when there are several; the rest are per run.
+NODE_REPORTS = frozenset({"staging", "health", "smoke", "capacity", "autotune", "ready", "left_out"})
 _PART_GLOB = "part-*.parquet"
 
 
 def runs_dir(output_root: Path) -> Path:
     """`<output_root>/runs`: one folder per run id."""
     return output_root / "runs"
+
+
+def report_file(name: str, suffix: str = ".json") -> str:
+    """A report's file name in a reports folder: `<name>.json`, or its table for people to read (`.md`)."""
+    return f"{name}{suffix}"
+
+
+def run_lock(output_root: Path) -> Path:
+    """`<output_root>/run.lock`: which run holds the output root (dflash_regen.fleet.runlock)."""
+    return output_root / "run.lock"
+
+
+def published_dir(output_root: Path) -> Path:
+    """`<output_root>/published`: one folder per dataset name, one version (run id) in each."""
+    return output_root / "published"
+
+
+def publish_dir(output_root: Path, dataset_name: str, run_id: str) -> Path:
+    """`published/<name>/<run_id>/`: where a run's dataset appears, complete or not at all."""
+    return published_dir(output_root) / dataset_name / run_id
+
+
+MANIFEST = "manifest.json"  # in each published version: its counts, tokens, quality, config (dflash_regen.publish)
+
+
+def manifest(version_dir: Path) -> Path:
+    return version_dir / MANIFEST
+
+
+def published_manifests(output_root: Path, run_id: str) -> list[Path]:
+    """The manifests of every dataset name's version `run_id`."""
+    return sorted(published_dir(output_root).glob(f"*/{run_id}/{MANIFEST}"))
+
+
+def demo_model_dir(output_root: Path) -> Path:
+    """`demo-model/`: the demo's stand-in model dir (written on first use)."""
+    return output_root / "demo-model"
+
+
+def demo_prompts_file(output_root: Path) -> Path:
+    """`demo-prompts/prompts.jsonl`: the demo's prompts (written on first use)."""
+    return output_root / "demo-prompts" / "prompts.jsonl"
 
 
 def store_dir(output_root: Path) -> Path:
@@ -260,7 +313,13 @@ class RunLayout:
 
     def report(self, name: str) -> Path:
         """reports/<name>.json: a report of the whole run (plan, quality, assignment...)."""
-        return self.reports_dir / f"{name}.json"
+        return self.reports_dir / report_file(name)
+
+    def write_report(self, name: str, report: dict) -> Path:
+        """Write a report where it belongs: the fleet's own (NODE_REPORTS) per node, the others per run."""
+        path = self.node_report(name) if name in NODE_REPORTS else self.report(name)
+        atomic.write_json(path, report)
+        return path
 
     @property
     def data_docs(self) -> Path:
@@ -286,7 +345,7 @@ class RunLayout:
 
     def node_report(self, name: str, node: str | None = None) -> Path:
         """<name>.json among this node's reports (or `node`'s)."""
-        return self.reports_of(self.node if node is None else node) / f"{name}.json"
+        return self.reports_of(self.node if node is None else node) / report_file(name)
 
     def report_nodes(self) -> list[str]:
         """The nodes that have a reports folder, by name."""

@@ -28,8 +28,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from dflash_regen import atomic
-from dflash_regen.errors import PublishRefused
+from dflash_regen.errors import GateFailed, PublishRefused
+from dflash_regen.generate import store
+from dflash_regen.generate.shard import drain_request
 from dflash_regen.layout import COMPLETIONS, FAILURES, RunLayout, shard_of
+from dflash_regen.layout import manifest as manifest_file
+from dflash_regen.settings import nodes
+from dflash_regen.settings.run_config import RunConfig
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +102,7 @@ def publish(dest: Path, parts: list[Part], manifest: dict, card: str) -> Path:
         if rows != manifest["counts"]["published"]:
             raise PublishRefused(f"tokenized files hold {rows} rows but the manifest says "
                              f"{manifest['counts']['published']}: refusing to publish an inconsistent version")
-        (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1, sort_keys=True))
+        manifest_file(tmp).write_text(json.dumps(manifest, indent=1, sort_keys=True))
         (tmp / "README.md").write_text(card)
         _fsync_dir(tmp)
         os.rename(tmp, dest)
@@ -292,3 +297,37 @@ def publish_run(layout: RunLayout, dest: Path, plan: dict, quality: dict, config
         manifest["generation"] = reuse
     publish(dest, parts, manifest, dataset_card(dest.parent.name, dest.name, manifest))
     return manifest
+
+
+def publish_validated(cfg: RunConfig, validated: dict, config: dict, model_dir: Path) -> dict:
+    """The publish task: the run `validate` passed (`validated`, its counts) published to `cfg.publish_dir`."""
+    report = json.loads(cfg.layout.report("quality").read_text())
+    # reports/quality.json is what the manifest records: re-checked on disk, so a version is published only with a
+    # passing report that is the one validate handed on (a validate re-run since then fails or agrees).
+    if not report["success"]:
+        raise GateFailed("the quality report says the gate failed; refusing to publish")
+    if (report["kept"], report["quarantined"]) != (validated["kept"], validated["quarantined"]):
+        raise PublishRefused(f"{cfg.layout.report('quality')} counts {report['kept']:,} kept, "
+                             f"{report['quarantined']:,} quarantined but validate passed {validated['kept']:,}, "
+                             f"{validated['quarantined']:,}: refusing to publish; clear validate (with Downstream) "
+                             "to check the run again")
+    clean_stale_tmp(cfg.publish_dir.parent)
+    plan = json.loads(cfg.layout.plan.read_text())
+    manifest = publish_run(cfg.layout, cfg.publish_dir, plan, report, config, model_dir,
+                           nodes=nodes.split_report(cfg.layout),  # several nodes: what each did
+                           reuse=store.provenance(cfg.layout))
+    return {"path": str(cfg.publish_dir), "samples": manifest["counts"]["published"],
+            "quarantined": manifest["counts"]["quarantined"], "tokens": manifest["tokens"]["total"]}
+
+
+def check_published(cfg: RunConfig) -> dict:
+    """The run's verdict: a run that published nothing is failed (`PublishRefused` says why and what to clear)."""
+    manifest = manifest_file(cfg.publish_dir)
+    if not manifest.is_file() and (request := drain_request(cfg.layout.drain_request)):
+        raise PublishRefused(f"run {cfg.run_id} was drained by {request['by']} and published nothing: its "
+                             "checkpoints are kept; clear the skipped generate tasks (with Downstream), or trigger a "
+                             "new run (Param reuse sends only what is left), to finish it")
+    if not manifest.is_file():
+        raise PublishRefused(f"run {cfg.run_id} published nothing ({manifest} is missing): the tasks that failed or "
+                             "were skipped before publish say why; clear them (with Downstream) to finish the run")
+    return {"path": str(cfg.publish_dir)}

@@ -17,7 +17,8 @@ from pathlib import Path
 from dflash_regen import atomic, schemas
 from dflash_regen.errors import GateFailed
 from dflash_regen.layout import FAILURES, RunLayout
-from dflash_regen.settings.run_config import QualitySettings
+from dflash_regen.prompts.planning import accepted
+from dflash_regen.settings.run_config import QualitySettings, RunConfig
 
 log = logging.getLogger(__name__)
 
@@ -186,3 +187,20 @@ def validate_run(layout: RunLayout, expected_rows: int, s: QualitySettings, docs
                    "rerender_differs": sum(r.get("rerender_token_delta") not in (0, None) for r in kept),
                    "rerender_compared": sum(r.get("rerender_token_delta") is not None for r in kept)})
     return report
+
+
+def gate_run(cfg: RunConfig, shards: list[dict]) -> dict:
+    """The validate task: the quality gate over the run's tokenized shards (every planned shard's prompts less the
+    rows generation quarantined are expected), reports/quality.json; raises `GateFailed` naming each failed
+    expectation. Returns the counts publish checks the report against."""
+    import pyarrow.parquet as pq
+
+    rejected = sum(pq.read_metadata(p).num_rows for p in cfg.layout.merged_files(FAILURES))
+    report = validate_run(cfg.layout, accepted(shards) - rejected, cfg.quality, cfg.layout.data_docs)
+    cfg.layout.write_report("quality", report)
+    if not report["success"]:
+        failed = [f"{e['expectation']} {e['kwargs'].get('column', '')}: observed {e['observed']}"
+                  for e in report["expectations"] if not e["success"]]
+        raise GateFailed(f"quality gate failed, nothing will be published: {'; '.join(failed)}. Data Docs: "
+                         f"{report['data_docs']}")
+    return {"kept": report["kept"], "quarantined": report["quarantined"]}

@@ -9,6 +9,7 @@ from dflash_regen.capacity import autotune
 from dflash_regen.capacity.health import health_gate
 from dflash_regen.demo.prompts import write_demo_prompts
 from dflash_regen.emulator.faults import PRESETS, Profile
+from dflash_regen.fleet.servers import fleet_value, load_servers
 from dflash_regen.layout import FleetFiles
 from dflash_regen.prompts.planning import plan_shards
 from dflash_regen.settings.run_config import RunConfig
@@ -32,14 +33,14 @@ def prepared(launch, tmp_path, prompts: int, shard_size: int, **params):
     settings = type(cfg.plan)(prompt_format="auto", shard_size=shard_size, sampling=cfg.plan.sampling,
                               context_length=cfg.plan.context_length, max_bad_row_share=1.0)
     plan = plan_shards(source, cfg.layout, settings)
-    tasks.write_report(cfg, "health", health_gate(servers, key, cfg.fleet))
-    return cfg, plan
+    cfg.layout.write_report("health", health_gate(servers, key, cfg.fleet))
+    return cfg, plan, fleet_value(cfg.fleet_dir, servers)
 
 
 def test_apply_picks_the_known_optimum_relaunches_the_fleet_with_it_and_the_run_matches_the_prediction(
         launch, tmp_path):
     # Two shards of ~200 prompts: long enough that per-shard start-up (which the prediction leaves out) stays small.
-    cfg, plan = prepared(launch, tmp_path, 402, 201, autotune="apply", autotune_candidate_s=5.0)
+    cfg, plan, launched = prepared(launch, tmp_path, 402, 201, autotune="apply", autotune_candidate_s=5.0)
     # The known optimum: the candidate whose batch and MTP setting the curves make fastest (MTP off at 16 running).
     expected = {"current": aggregate(4), "mamba pool x2": aggregate(8), "mamba pool x4": aggregate(16),
                 "radix cache off at 16": aggregate(16), "MTP off at 16": aggregate(16, speculative=False),
@@ -48,7 +49,7 @@ def test_apply_picks_the_known_optimum_relaunches_the_fleet_with_it_and_the_run_
     assert best == "MTP off at 16" and expected[best] > 1.1 * aggregate(16)
     assert aggregate(4) > aggregate(4, speculative=False)  # MTP still pays at the current batch
 
-    result = tasks.autotune_fleet(launch.params, "test_run", str(tmp_path / "model"), plan["shards"])
+    result = tasks.autotune_fleet(launch.params, "test_run", str(tmp_path / "model"), launched, plan["shards"])
     report = autotune.read_report(cfg.reports_dir)
     print(autotune.format_table(report))
     rows = {r["candidate"]: r for r in report["candidates"]}
@@ -71,6 +72,10 @@ def test_apply_picks_the_known_optimum_relaunches_the_fleet_with_it_and_the_run_
     assert json.loads(cfg.layout.node_report("smoke").read_text())["passed"]
     argv = json.loads(cfg.layout.fleet.server_spec(0).read_text())["argv"]
     assert "--speculative-algorithm" not in argv and argv[argv.index("--max-running-requests") + 1] == "16"
+    # it returns the fleet it leaves (the relaunched servers), the one calibrate and the shards then use
+    assert result["fleet_dir"] == launched["fleet_dir"] and result["applied_flags"] == winner["flags"]
+    assert [s["pid"] for s in result["servers"]] == [s.pid for s in load_servers(cfg.fleet_dir)]
+    assert result["servers"][0]["pid"] != launched["servers"][0]["pid"]
 
     started = time.monotonic()
     for shard in plan["shards"]:
@@ -82,7 +87,7 @@ def test_apply_picks_the_known_optimum_relaunches_the_fleet_with_it_and_the_run_
 
 
 def test_candidates_that_crash_at_start_fail_smoke_or_run_out_of_kv_are_skipped_with_their_reason(launch, tmp_path):
-    cfg, plan = prepared(launch, tmp_path, 60, 60, autotune="advise", autotune_candidate_s=3.0)
+    cfg, plan, _ = prepared(launch, tmp_path, 60, 60, autotune="advise", autotune_candidate_s=3.0)
     from dflash_regen.fleet.servers import stop_fleet
 
     stop_fleet(cfg.fleet_dir)  # as tune() does: the first GPU's port is the candidates'

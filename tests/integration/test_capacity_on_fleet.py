@@ -116,7 +116,7 @@ def test_a_run_can_apply_the_advised_client_concurrency_and_its_eta_uses_the_cal
     health = health_gate(servers, key, cfg.fleet)
     shape = capacity.RunShape(prompts=plan["accepted"], servers=1, shard_size=20)
     report = capacity.calibrate(servers[0], key, health, plan["shards"], cfg.generation, shape, prompts=32)
-    tasks.write_report(cfg, "capacity", report)
+    cfg.layout.write_report("capacity", report)
     assert report["advice"]["concurrency_per_server"] == 18
     params = {**launch.params, "apply_advised_concurrency": True}
     assert RunConfig.from_params(params, "test_run").capacity.apply_advised_concurrency
@@ -139,7 +139,7 @@ def test_a_rerun_of_calibrate_reuses_its_measurement_and_measures_again_when_a_s
 
     cfg, servers, key = launch(num_servers=1, calibration_prompts=32)
     plan = planned(cfg, tmp_path, 40, shard_size=20)
-    tasks.write_report(cfg, "health", health_gate(servers, key, cfg.fleet))
+    cfg.layout.write_report("health", health_gate(servers, key, cfg.fleet))
     launched = {"fleet_dir": str(cfg.fleet_dir)}
 
     def tokens_served() -> float:
@@ -161,6 +161,13 @@ def test_a_rerun_of_calibrate_reuses_its_measurement_and_measures_again_when_a_s
     left = [{**s, "to_generate": 5} for s in plan["shards"]]
     tasks.calibrate({**launch.params, "calibration_prompts": 40}, "test_run", launched, left)
     assert capacity.read_report(cfg.node_reports_dir)["run"]["prompts"] == 10
+    # the fleet autotune left runs its applied flags on top: calibrate measures it as such, and again
+    served = tokens_served()
+    tuned = {**launched, "applied_flags": "--max-running-requests 16"}
+    tasks.calibrate({**launch.params, "calibration_prompts": 40}, "test_run", tuned, left)
+    assert tokens_served() > served, "the fleet autotune relaunched with other flags reused the old measurement"
+    assert capacity.read_report(cfg.node_reports_dir)["scenarios"][0]["server_flags"].endswith(
+        "--max-running-requests 16")
 
 
 def test_the_planner_cli_emulates_a_gated_server_calibrates_it_and_replans_from_its_report(tmp_path,

@@ -82,16 +82,16 @@ def test_a_full_output_disk_fails_each_stage_clearly_and_the_run_resumes_once_sp
             assert tasks.tokenize_shard(params, RUN, generated)["samples"] == len(ids)
 
             # 3. Publish (after the quality gate passed).
-            tasks.validate(params, RUN, [shard])
+            validated = tasks.validate(params, RUN, [shard])
             published = root / "published" / params["dataset_name"]
             filler = fill(root, leave=24_000)
             with pytest.raises(AirflowFailException) as full:
-                tasks.publish_dataset(params, RUN)
+                tasks.publish_dataset(params, RUN, validated)
             assert re.match(rf"^DiskFull: no space left on the disk of {published} writing {run.run_dir.name}: "
                             rf"{NEEDS}", first_line(full)), first_line(full)
             assert list(published.iterdir()) == [] and hidden_leftovers(root) == []  # no version, whole or half
             filler.unlink()
-            done = tasks.publish_dataset(params, RUN)
+            done = tasks.publish_dataset(params, RUN, validated)
             assert done["samples"] + done["quarantined"] == 40 + 2  # demo prompts: 40 good, 2 bad rows
             assert pq.read_table(Path(done["path"]) / "tokenized").num_rows == done["samples"]
         finally:

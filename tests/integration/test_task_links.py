@@ -162,7 +162,7 @@ def test_a_node_decides_afresh_whether_it_takes_part_when_the_same_run_id_runs_a
     for name in ("ready", "left_out"):
         cfg.layout.node_report(name).parent.mkdir(parents=True, exist_ok=True)
         cfg.layout.node_report(name).write_text('{"node": "b200", "error": "from the earlier run"}')
-    tasks.stage_node(p, RUN, {"model_source_dir": p["model_source_dir"]}, node=node)
+    tasks.stage_weights(p, RUN, None, {"model_source_dir": p["model_source_dir"]}, node=node)
     assert not cfg.layout.node_report("ready").exists() and not cfg.layout.node_report("left_out").exists()
 
 
@@ -175,5 +175,5 @@ def test_publish_refuses_a_run_whose_quality_gate_failed_even_when_cleared_alone
     cfg.layout.report("quality").parent.mkdir(parents=True, exist_ok=True)
     cfg.layout.report("quality").write_text(json.dumps({"success": False}))
     with pytest.raises(AirflowFailException, match=r"^GateFailed: the quality report says the gate failed"):
-        tasks.publish_dataset(p, RUN)
+        tasks.publish_dataset(p, RUN, {"kept": 1, "quarantined": 0})
     assert not cfg.publish_dir.exists()

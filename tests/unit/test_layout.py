@@ -5,7 +5,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from dflash_regen.layout import COMPLETIONS, FAILURES, FleetFiles, RunLayout, counted_files, shard_of, shard_sources
-from dflash_regen.settings.run_config import RunConfig
+from dflash_regen.settings.run_config import DEFAULTS, RunConfig
 
 
 def rows(path, *ids):
@@ -97,3 +97,25 @@ def test_readers_find_every_fleet_of_a_run_and_every_server_by_index(tmp_path):
     assert [p.name for p in fleet.server_specs()] == ["server-0.json", "server-2.json", "server-10.json"]
     assert [p.name for p in fleet.launch_markers()] == ["unhealthy-2", "exit-0.json"]
     assert RunLayout(tmp_path, node="gpu-a").fleet == fleet
+
+
+def test_a_report_is_written_per_node_when_it_is_the_fleets_and_per_run_otherwise(tmp_path):
+    node = RunLayout.of(tmp_path, "r1", node="gpu-b")
+    assert node.write_report("health", {"passed": True}) == node.node_report("health")
+    assert node.write_report("quality", {"success": True}) == node.report("quality")
+    assert node.node_report("health").is_file() and node.report("quality").is_file()
+    assert not node.report("health").exists()  # never the run's own for a fleet report
+
+
+def test_the_output_roots_own_folders_and_files_have_one_home(tmp_path):
+    from dflash_regen import layout
+
+    assert layout.run_lock(tmp_path) == tmp_path / "run.lock"
+    assert layout.publish_dir(tmp_path, "ds", "r1") == tmp_path / "published" / "ds" / "r1"
+    version = layout.publish_dir(tmp_path, "ds", "r1")
+    version.mkdir(parents=True)
+    layout.manifest(version).write_text("{}")
+    assert layout.published_manifests(tmp_path, "r1") == [version / "manifest.json"]
+    assert layout.published_manifests(tmp_path, "r2") == []
+    cfg = RunConfig.from_params({**DEFAULTS, "output_root": str(tmp_path), "dataset_name": "ds"}, "r1")
+    assert cfg.publish_dir == version

@@ -172,3 +172,17 @@ def test_publish_run_writes_what_filtering_every_shard_wrote_and_stores_clean_sh
         run.tokenized(1).stat().st_ino
     assert (dest / "tokenized" / "part-00000.parquet").stat().st_nlink == 1
     assert not (run.run_dir / "final").exists()
+
+
+def test_publish_takes_validates_counts_and_refuses_a_quality_report_that_disagrees(tmp_path):
+    from dflash_regen.errors import GateFailed
+    from dflash_regen.settings.run_config import DEFAULTS, RunConfig
+
+    cfg = RunConfig.from_params({**DEFAULTS, "output_root": str(tmp_path)}, "r1")
+    cfg.layout.write_report("quality", {"success": True, "kept": 5, "quarantined": 1})
+    with pytest.raises(PublishRefused, match=r"counts 5 kept, 1 quarantined but validate passed 4, 2"):
+        publish.publish_validated(cfg, {"kept": 4, "quarantined": 2}, {}, tmp_path / "model")
+    cfg.layout.write_report("quality", {"success": False, "kept": 4, "quarantined": 2})
+    with pytest.raises(GateFailed, match="the quality report says the gate failed"):
+        publish.publish_validated(cfg, {"kept": 4, "quarantined": 2}, {}, tmp_path / "model")
+    assert not cfg.publish_dir.exists()

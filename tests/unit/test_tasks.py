@@ -64,19 +64,3 @@ def test_a_left_out_node_gets_nothing_with_continue_and_fails_the_split_without(
         tasks.assign_shards(run_params(node_failure="fail"), "r", shards(4), ["fast", "slow"])
     with pytest.raises(AirflowFailException, match="no node passed its gates"):
         tasks.assign_shards(params, "empty", shards(4), ["fast", "slow"])
-
-
-def test_tokenize_renders_tools_in_the_dialect_of_the_version_each_nodes_fleet_ran(run_params):
-    from dflash_regen.errors import TokenizeError
-
-    params = run_params()
-    cfg = RunConfig.from_params(params, "r1", node="slow")
-    assert tasks._served_dialect(cfg) is None  # no fleet report: tools as sent
-    report = cfg.layout.node_report("health")
-    report.parent.mkdir(parents=True, exist_ok=True)
-    report.write_text(json.dumps({"servers": [{"version": "0.5.10"}, {"version": "0.5.10"}]}))
-    assert tasks._served_dialect(cfg).version == "0.5.10"
-    assert tasks._served_dialect(RunConfig.from_params(params, "r1", node="fast")) is None  # its own report
-    report.write_text(json.dumps({"servers": [{"version": "0.5.10"}, {"version": "0.5.23"}]}))
-    with pytest.raises(TokenizeError, match="ran SGLang 0.5.10, 0.5.23"):
-        tasks._served_dialect(cfg)

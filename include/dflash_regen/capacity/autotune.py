@@ -35,12 +35,13 @@ from dflash_regen.capacity.health import health_gate
 from dflash_regen.errors import DflashError, GateFailed
 from dflash_regen.fleet import servers as fleet_servers
 from dflash_regen.fleet import smoke
-from dflash_regen.layout import FleetFiles
+from dflash_regen.layout import FleetFiles, report_file
+from dflash_regen.prompts.planning import accepted, to_generate
 from dflash_regen.settings.run_config import RunConfig
 
 log = logging.getLogger(__name__)
 
-REPORT = "autotune.json"
+REPORT = report_file("autotune")
 MODES = ("off", "advise", "apply")
 MIN_GAIN = 0.02  # a winner must beat the current settings by more than this (measurement noise)
 BATCH_MULTIPLES = (2, 4)  # Mamba pools for these multiples of the current running batch
@@ -244,6 +245,70 @@ def tune(cfg: RunConfig, model_path: Path, shards: list[dict], run_prompts: int,
             "chosen": winner["candidate"] if winner else None, "chosen_flags": winner["flags"] if winner else ""}
 
 
+def autotune_fleet(cfg: RunConfig, model_path: Path, fleet: dict, shards: list[dict]) -> dict:
+    """The autotune task: try server settings on the first GPU, report (`reports/autotune.json`), and relaunch the
+    fleet (with the fastest's flags under `apply`) and re-gate it (health + smoke), since tuning took its first
+    GPU. Returns the fleet it leaves (a fleet value, `fleet` itself when nothing was stopped) with the outcome."""
+    settings = cfg.autotune
+    if settings.mode == "off":
+        log.info("autotune off (Param autotune)")
+        return {**fleet, "mode": "off"}
+    if not cfg.capacity.calibration_prompts:
+        log.info("autotune skipped: it measures with calibration's sample and Param calibration_prompts is 0")
+        return {**fleet, "mode": settings.mode, "skipped": "calibration_prompts is 0"}
+    print_ = fingerprint(cfg, accepted(shards))
+    report = read_report(cfg.node_reports_dir)
+    reused = bool(report and report.get("fingerprint") == print_ and report.get("candidates"))
+    if reused:
+        log.info("autotune: reusing reports/autotune.json from an earlier attempt (same settings)")
+    else:
+        try:
+            report = tune(cfg, model_path, shards, to_generate(shards), candidate_s=settings.candidate_s,
+                          budget_s=settings.budget_s, extra=list(settings.extra))
+        except capacity.TooFewPrompts as exc:  # the fleet still runs: nothing was stopped
+            log.warning("autotune skipped: %s", exc)
+            return {**fleet, "mode": settings.mode, "skipped": str(exc)}
+        report["fingerprint"] = print_
+    flags = _decide(report, settings.mode)
+    write_report(cfg.node_reports_dir, report)
+    log.info("autotune (reports/autotune.json):\n%s", format_table(report))
+    if reused and not flags:  # nothing was stopped: the fleet the setups launched and gated stays
+        return {**fleet, "mode": settings.mode, "chosen": report["chosen"], "applied_flags": "", "reused": True}
+    left = relaunch(cfg, model_path, flags, report)
+    return {**left, "mode": settings.mode, "chosen": report["chosen"], "applied_flags": flags,
+            "tuning_s": report["tuning_s"]}
+
+
+def _decide(report: dict, mode: str) -> str:
+    """The flags the fleet relaunches with ('' = the run's own), recorded in the report with what was done."""
+    winner = next((r for r in report["candidates"] if r.get("chosen")), None)
+    flags = winner["flags"] if mode == "apply" and winner else ""
+    advice = (f"; to use {winner['candidate']}, add '{winner['flags']}' to server_flags or set Param autotune to "
+              "apply" if winner and winner["flags"] else "")
+    report.update(mode=mode, applied_flags=flags,
+                  action=(f"fleet relaunched with {winner['candidate']}: {flags}" if flags and winner else
+                          "fleet relaunched with the run's own flags" + advice))
+    return flags
+
+
+def relaunch(cfg: RunConfig, model_path: Path, flags: str, report: dict) -> dict:
+    """Relaunch the fleet with `flags` on top of the run's and gate it again (stopped if a gate fails); returns
+    the fleet value. The report records how long the relaunch took."""
+    run_cfg = cfg.with_extra_flags(flags) if flags else cfg
+    started = time.monotonic()
+    servers = fleet_servers.launch_fleet(run_cfg.fleet, model_path, cfg.fleet_dir)
+    key = fleet_servers.read_api_key(cfg.fleet_dir)
+    try:
+        cfg.layout.write_report("health", health_gate(servers, key, run_cfg.fleet))
+        cfg.layout.write_report("smoke", smoke.smoke_gate(servers, key, run_cfg.sampling, run_cfg.fleet))
+    except GateFailed:
+        fleet_servers.stop_fleet(cfg.fleet_dir)
+        raise
+    report["relaunch_s"] = round(time.monotonic() - started, 1)
+    write_report(cfg.node_reports_dir, report)
+    return fleet_servers.fleet_value(cfg.fleet_dir, servers)
+
+
 # ------------------------------------------------------------------------------------------------ output
 def _hours(seconds: float) -> str:
     return f"{seconds / 3600:,.1f} h" if seconds >= 3600 else f"{seconds:,.1f} s"
@@ -286,18 +351,12 @@ def format_table(report: dict) -> str:
 def write_report(reports_dir: Path, report: dict) -> None:
     report["table"] = table_rows(report)  # as people read it (the Fleet page shows it)
     atomic.write_json(reports_dir / REPORT, report)
-    atomic.write_text(reports_dir / "autotune.md", format_table(report) + "\n")
+    atomic.write_text(reports_dir / report_file("autotune", ".md"), format_table(report) + "\n")
 
 
 def read_report(reports_dir: Path) -> dict | None:
     path = reports_dir / REPORT
     return json.loads(path.read_text()) if path.is_file() else None
-
-
-def applied_flags(reports_dir: Path) -> str | None:
-    """The flags `apply` launched the fleet with on top of server_flags ('' = the run's own), None if not applied."""
-    report = read_report(reports_dir)
-    return report.get("applied_flags") if report and report.get("mode") == "apply" else None
 
 
 def fingerprint(cfg: RunConfig, run_prompts: int) -> str:

@@ -16,8 +16,9 @@ from dataclasses import asdict, dataclass, field
 
 from dflash_regen.capacity import Memory, binding_resource
 from dflash_regen.errors import DflashError, GateFailed
-from dflash_regen.fleet.servers import Server
-from dflash_regen.settings.run_config import FleetConfig
+from dflash_regen.fleet.servers import Server, servers_of
+from dflash_regen.fleet.smoke import gated
+from dflash_regen.settings.run_config import FleetConfig, RunConfig
 from dflash_regen.sglang.api import Allocation, Api, parse_startup_log
 
 __all__ = ["Allocation", "parse_startup_log", "binding_advice", "health_gate", "probe_server"]
@@ -134,3 +135,10 @@ def health_gate(servers: list[Server], api_key: str, cfg: FleetConfig) -> dict:
         raise GateFailed(f"health check failed on {len(bad)} of {len(results)} servers:\n" + "\n".join(
             f"- {r.server}: " + "; ".join(r.problems) for r in bad))
     return report
+
+
+def check_fleet(cfg: RunConfig, fleet: dict) -> dict:
+    """The health gate on every server of `fleet` (a fleet value), its report in reports/health.json."""
+    servers, key = servers_of(fleet, cfg.fleet.num_servers)
+    report = gated(cfg.layout, "health", lambda: health_gate(servers, key, cfg.fleet))
+    return {"servers": len(servers), "total_running_slots": report["total_running_slots"]}

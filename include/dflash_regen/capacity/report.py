@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -23,10 +24,16 @@ from dflash_regen.capacity.model import (
     train_length_budget,
 )
 from dflash_regen.errors import CapacityError, TooFewPrompts
+from dflash_regen.fleet import servers as fleet_servers
 from dflash_regen.fleet.servers import Server
+from dflash_regen.layout import report_file
+from dflash_regen.prompts.planning import to_generate
+from dflash_regen.settings.nodes import READY
 from dflash_regen.settings.run_config import GenerationSettings, RunConfig
 
-REPORT = "capacity.json"
+log = logging.getLogger(__name__)
+
+REPORT = report_file("capacity")
 SCHEMA_VERSION = 1
 
 
@@ -155,3 +162,56 @@ def calibrate(server: Server, api_key: str, health: dict, shards: list[dict], se
     calibration = measure_server(server, api_key, settings, sample, slots)
     return plan_report(calibration, memories(health, server.url), shape, server_flags=server_flags,
                        seed=settings.seed, train_max_length=train_max_length)
+
+
+def calibrate_fleet(cfg: RunConfig, fleet: dict, shards: list[dict]) -> dict:
+    """The calibrate task: measure one healthy server of `fleet` (the fleet value autotune left, with the flags it
+    applied) on the run's prompts, advise, predict; `reports/capacity.json`. A rerun of the setup with the same
+    fleet settings and run (a cleared shard) reuses the stored report: no GPU minutes again."""
+    if not cfg.capacity.calibration_prompts:
+        log.info("calibration skipped (Param calibration_prompts = 0)")
+        return {"calibrated": False}
+    servers, key = fleet_servers.servers_of(fleet, cfg.fleet.num_servers)
+    fleet_dir = Path(fleet["fleet_dir"])
+    healthy = fleet_servers.healthy_servers(fleet_dir, servers)
+    shape = RunShape(prompts=to_generate(shards), servers=len(healthy), shard_size=cfg.plan.shard_size,
+                     concurrency_per_server=cfg.generation.concurrency_per_server)
+    flags = " ".join(x for x in (cfg.fleet.server_flags, fleet.get("applied_flags") or "") if x)
+    print_ = fingerprint(cfg, flags, shape)
+    report = read_report(cfg.node_reports_dir)
+    if report and report.get("fingerprint") == print_:
+        log.info("calibrate: reusing reports/capacity.json from an earlier attempt (same fleet settings and run)")
+        return _calibrated(report)
+    health = json.loads(cfg.layout.node_report("health").read_text())
+    with fleet_servers.lease(fleet_dir, healthy, 0, wait_s=cfg.fleet.ready_timeout_s) as server:
+        try:
+            report = calibrate(server, key, health, shards, cfg.generation, shape,
+                               prompts=cfg.capacity.calibration_prompts, server_flags=flags,
+                               train_max_length=cfg.plan.train_max_length)
+        except TooFewPrompts as exc:  # a run this small is over before a prediction would help
+            log.warning("calibration skipped: %s", exc)
+            return {"calibrated": False}
+        except CapacityError as exc:
+            if not fleet_servers.is_alive(server):  # so the retry measures another server, as a shard's would
+                fleet_servers.mark_unhealthy(fleet_dir, server, str(exc))
+            raise
+    report["fingerprint"] = print_
+    cfg.layout.write_report("capacity", report)
+    log.info("capacity plan (reports/capacity.json):\n%s", format_table(report))
+    return _calibrated(report)
+
+
+def _calibrated(report: dict) -> dict:
+    return {"calibrated": True, "binding": report["binding"]["resource"], "wall_s": report["scenarios"][0]["wall_s"],
+            "advised_flags": report["advice"]["server_flags"]}
+
+
+def node_ready(cfg: RunConfig, calibrated: dict) -> dict:
+    """Several nodes: this node passed every gate; its rate (prompts/s of its healthy servers, measured by
+    calibrate) decides its share of the shards (`reports/nodes/<node>/ready.json`)."""
+    healthy = fleet_servers.healthy_servers(cfg.fleet_dir, fleet_servers.load_servers(cfg.fleet_dir))
+    report = read_report(cfg.node_reports_dir) if calibrated.get("calibrated") else None
+    rps = report["scenarios"][0]["requests_per_s_per_server"] * len(healthy) if report else None
+    ready = {"node": cfg.node, "servers": len(healthy), "prompts_per_s": rps}
+    cfg.layout.write_report(READY, ready)
+    return ready

@@ -15,12 +15,15 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import shutil
 import tempfile
 from pathlib import Path
 
 from dflash_regen.chat.template import QWEN_TEMPLATE
+from dflash_regen.layout import demo_model_dir
+from dflash_regen.settings.run_config import DEMO_MODEL, RunConfig
 
 CONFIG = {
     "architectures": ["Qwen3_5ForConditionalGeneration"],
@@ -193,3 +196,12 @@ def write_demo_model(
     sums = "".join(f"{digest}  {name}\n" for name, digest in sorted(digests.items()))
     (path / "SHA256SUMS").write_text(sums)
     return path
+
+
+def model_source(cfg: RunConfig) -> Path:
+    """The model dir a run stages: Param model_source_dir, or for `demo` the stand-in (written on first use)."""
+    if cfg.model_source_dir != DEMO_MODEL:
+        return Path(cfg.model_source_dir)
+    source = write_demo_model(demo_model_dir(cfg.output_root), with_tokenizer=True)  # idempotent
+    logging.getLogger(__name__).info("demo: a stand-in model dir at %s", source)
+    return source

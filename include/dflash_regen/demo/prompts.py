@@ -12,6 +12,8 @@ import random
 from pathlib import Path
 
 from dflash_regen import atomic
+from dflash_regen.layout import demo_prompts_file
+from dflash_regen.settings.run_config import DEMO_PROMPTS, RunConfig
 
 CODING = ["Write a Python function to check if a number is prime.",
           "Implement an LRU cache in Python without functools.",
@@ -79,3 +81,10 @@ def demo_rows(n: int = 120, seed: int = 0) -> list[dict]:
 def write_demo_prompts(path: Path, n: int = 120) -> Path:
     atomic.write_lines(path, [json.dumps(r, ensure_ascii=False) for r in demo_rows(n)])
     return path
+
+
+def prompt_source(cfg: RunConfig) -> Path:
+    """The prompts a run plans: Param prompt_source, or for `demo` the demo's prompts (written on first use)."""
+    if cfg.prompt_source != DEMO_PROMPTS:
+        return Path(cfg.prompt_source)
+    return write_demo_prompts(demo_prompts_file(cfg.output_root))

@@ -9,7 +9,7 @@ import json
 import sys
 from pathlib import Path
 
-from dflash_regen.layout import COMPLETIONS, FAILURES, RunLayout, runs_dir
+from dflash_regen.layout import COMPLETIONS, FAILURES, RunLayout, published_manifests, runs_dir
 
 
 def latest_run(output_root: Path) -> Path | None:
@@ -81,7 +81,7 @@ def summarize(output_root: Path, log_path: Path, rc: int) -> str:
             q = json.loads(quality.read_text())
             lines.append(f"  quality  {'passed' if q['success'] else 'FAILED'}: {q['kept']} kept, {q['quarantined']} "
                          f"quarantined {q['quarantined_by_reason']}; Data Docs: {q['data_docs']}")
-        for manifest in sorted(output_root.glob(f"published/*/{run.name}/manifest.json")):
+        for manifest in published_manifests(output_root, run.name):
             m = json.loads(manifest.read_text())
             lines.append(f"  publish  {manifest.parent}: {m['counts']['published']} samples, "
                          f"{m['tokens']['total']:,} tokens; {m['counts']['quarantined']} quarantined "

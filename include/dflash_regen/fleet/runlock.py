@@ -23,11 +23,12 @@ from pathlib import Path
 from dflash_regen import atomic
 from dflash_regen.errors import RunLocked
 from dflash_regen.fleet import servers
-from dflash_regen.layout import RunLayout, runs_dir
+from dflash_regen.layout import RunLayout, run_lock, runs_dir
+from dflash_regen.prompts import inputs
+from dflash_regen.settings.run_config import DEMO_PROMPTS, RunConfig
 
 log = logging.getLogger(__name__)
 
-LOCK_FILE = "run.lock"
 
 
 def _process_alive(pid: int, start_ticks: int) -> bool:
@@ -35,7 +36,7 @@ def _process_alive(pid: int, start_ticks: int) -> bool:
 
 
 def read_holder(output_root: Path) -> dict | None:
-    path = output_root / LOCK_FILE
+    path = run_lock(output_root)
     return json.loads(path.read_text()) if path.is_file() else None
 
 
@@ -48,7 +49,7 @@ def acquire(output_root: Path, run_id: str, run_dir: str, run_is_active: Callabl
     """Take the output root for `run_id` (its folder `runs/<run_dir>`), or raise `RunLocked` naming the live
     run that holds it. `run_is_active(run_id)` asks the scheduler about a run whose process is gone."""
     output_root.mkdir(parents=True, exist_ok=True)
-    with open(output_root / f".{LOCK_FILE}.guard", "a") as guard:
+    with open(run_lock(output_root).with_name(f".{run_lock(output_root).name}.guard"), "a") as guard:
         fcntl.flock(guard, fcntl.LOCK_EX)  # two runs starting at once decide one after the other
         holder = read_holder(output_root)
         if holder and not _is_this_process(holder):
@@ -69,7 +70,7 @@ def acquire(output_root: Path, run_id: str, run_dir: str, run_is_active: Callabl
                     "servers), or set Param output_root to another directory")
             log.warning("taking over the lock of run %r on %s: it is no longer running", holder["run_id"],
                         output_root)
-        atomic.write_json(output_root / LOCK_FILE, {"run_id": run_id, "run_dir": run_dir, "pid": os.getpid(),
+        atomic.write_json(run_lock(output_root), {"run_id": run_id, "run_dir": run_dir, "pid": os.getpid(),
                                                     "host": socket.gethostname(), "taken_at": time.time(),
                                                     "start_ticks": servers.start_ticks(os.getpid())})
 
@@ -91,3 +92,21 @@ def reap_orphans(output_root: Path, run_dir: str) -> list[str]:
                 log.warning("stopped %s, left running by run %r, which is no longer running", line, run)
                 stopped.append(line)
     return stopped
+
+
+def open_run(cfg: RunConfig, run_id: str, run_is_active: Callable[[str], bool]) -> None:
+    """A run's first task: the output root checked, the run lock taken (`run_id` is the scheduler's run id) and
+    the prompt source checked, before any GPU work."""
+    inputs.check_output_root(cfg.output_root)
+    acquire(cfg.output_root, run_id, cfg.run_id, run_is_active)
+    if cfg.prompt_source != DEMO_PROMPTS:
+        first = inputs.check_prompt_source(Path(cfg.prompt_source), cfg.plan.prompt_format)
+        log.info("prompt source %s: first usable row at %s", cfg.prompt_source, first)
+
+
+def launch_run(cfg: RunConfig, model_path: Path) -> dict:
+    """Launch the run's (node's) fleet, after stopping the servers of runs that died before their teardown; a
+    (re)launch removes a drain request (after a drain, the clear that resumes the run). The fleet value."""
+    reap_orphans(cfg.output_root, cfg.run_id)
+    cfg.layout.drain_request.unlink(missing_ok=True)
+    return servers.fleet_value(cfg.fleet_dir, servers.launch_fleet(cfg.fleet, model_path, cfg.fleet_dir))

@@ -26,7 +26,7 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from dflash_regen.errors import FleetError, LaunchRefused, NoServerFree
+from dflash_regen.errors import FleetError, GateFailed, LaunchRefused, NoServerFree
 from dflash_regen.fleet.preflight import preflight
 from dflash_regen.layout import FleetFiles
 from dflash_regen.settings.run_config import FleetConfig
@@ -416,3 +416,19 @@ def running(cfg: FleetConfig, model_path: Path, fleet_dir: Path) -> Iterator[lis
         yield servers
     finally:
         stop_fleet(fleet_dir)
+
+
+def fleet_value(fleet_dir: Path, servers: list[Server]) -> dict:
+    """What the fleet's tasks hand on (XCom): its folder and each server's address, GPU, pid and log."""
+    return {"fleet_dir": str(fleet_dir), "servers": [{"index": s.index, "url": s.url, "gpu": s.gpu, "pid": s.pid,
+                                                      "log": s.log_path} for s in servers]}
+
+
+def servers_of(fleet: dict, expected: int) -> tuple[list[Server], str]:
+    """The servers of a fleet value (`fleet_value`) as its folder records them (pid and start time, for process
+    control), and its API key."""
+    fleet_dir = Path(fleet["fleet_dir"])
+    servers = load_servers(fleet_dir)
+    if len(servers) != expected:
+        raise GateFailed(f"{fleet_dir} records {len(servers)} servers, expected {expected}; re-run launch_fleet")
+    return servers, read_api_key(fleet_dir)

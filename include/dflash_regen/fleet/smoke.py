@@ -9,12 +9,14 @@ empty answers, reasoning-only answers, truncation (`finish_reason == "length"`) 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 
 from dflash_regen.errors import GateFailed, PromptError, TransientError
-from dflash_regen.fleet.servers import Server
-from dflash_regen.settings.run_config import FleetConfig, SamplingConfig
+from dflash_regen.fleet.servers import Server, servers_of
+from dflash_regen.layout import RunLayout
+from dflash_regen.settings.run_config import FleetConfig, RunConfig, SamplingConfig
 from dflash_regen.sglang.api import Api
 from dflash_regen.sglang.http import chat_payload, reasoning_tokens, with_retries
 
@@ -173,3 +175,21 @@ def smoke_gate(servers: list[Server], api_key: str, sampling: SamplingConfig, fl
         lines = [f"- {r.server} [{r.prompt}]: {r.problem}" for s in bad for r in s.results if not r.ok]
         raise GateFailed(f"smoke test failed on {len(bad)} of {len(smokes)} servers:\n" + "\n".join(lines))
     return report
+
+
+def gated(layout: RunLayout, name: str, check: Callable[[], dict]) -> dict:
+    """A fleet gate's report, written whether it passed or failed (the Fleet page shows why it failed)."""
+    try:
+        report = check()
+    except GateFailed as exc:
+        layout.write_report(name, {"passed": False, "error": str(exc)})
+        raise
+    layout.write_report(name, report)
+    return report
+
+
+def smoke_fleet(cfg: RunConfig, fleet: dict) -> dict:
+    """The smoke gate on every server of `fleet` (a fleet value), its report in reports/smoke.json."""
+    servers, key = servers_of(fleet, cfg.fleet.num_servers)
+    gated(cfg.layout, "smoke", lambda: smoke_gate(servers, key, cfg.sampling, cfg.fleet))
+    return {"servers": len(servers), "passed": True}

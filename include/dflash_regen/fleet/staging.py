@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from dflash_regen.errors import StagingError
+from dflash_regen.settings.run_config import RunConfig
 
 log = logging.getLogger(__name__)
 
@@ -186,3 +187,19 @@ def stage(source: Path, dest: Path, *, progress_every_s: float = 5.0) -> StageRe
     log.info("staged %d files (%s) in %.1f s (%.0f MB/s), %d checksums verified", report.copied_files,
              human_bytes(needed), report.seconds, report.mb_per_s, report.verified_checksums)
     return report
+
+
+def stage_run(cfg: RunConfig, source: Path) -> dict:
+    """Stage `source` to the run's (node's) staging dir; reports/staging.json."""
+    report = stage(source, cfg.staging_dir)
+    cfg.layout.write_report("staging", report.to_dict())
+    return {"model_path": str(cfg.staging_dir), "copied_bytes": report.copied_bytes}
+
+
+def model_dir(cfg: RunConfig, source: Path) -> Path:
+    """Where tokenize and publish read the tokenizer and config: the staged copy when `source` was staged, else
+    `source` (a run whose every completion came from the store stages nothing)."""
+    marker = cfg.staging_dir / MARKER
+    if marker.is_file() and json.loads(marker.read_text()).get("source") == str(source):
+        return cfg.staging_dir
+    return source

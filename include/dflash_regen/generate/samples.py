@@ -62,39 +62,40 @@ class Generator:
         self.failure_limit = max(2 * in_flight, 8)
 
     def _request(self, payload: dict) -> tuple[ChatResult, int, str]:
-        """(result, attempts, name of the server that answered)."""
-        delay = 1.0
-        for attempt in range(1, self.settings.request_retries + 2):
+        """(result, attempts, name of the server that answered), by the one retry policy (`http.with_retries`)."""
+        attempts = 0
+
+        def send() -> ChatResult:
+            nonlocal attempts
             if self.stop.is_set():
                 raise Stopped("stopping: another request found the server unhealthy")
-            try:
-                result = stream_chat(self.session, self.server.url, self.api_key, payload,
-                                     stall_s=self.settings.stall_timeout_s, cap_s=self.settings.request_cap_s)
-            except TransientError as exc:
-                with self._lock:
-                    self._consecutive_failures += 1
-                    failing = self._consecutive_failures
-                # Liveness is judged by the server, not by how often prompts fail: a probe without an answer marks
-                # it unhealthy, and so does one without a 200 after many failures in a row. A cluster of poison
-                # prompts (every slot failing, each retry again) leaves it healthy while the probe gets its 200.
-                status = self._probe(self.server)
-                if status is None or (failing >= self.failure_limit and status != 200):
-                    self.stop.set()
-                    raise ServerUnhealthy(f"{self.server.name} stopped answering ({failing} failures in a row, a "
-                                          f"1-token probe got {status or 'no answer'}; last: {exc})") from exc
-                if attempt > self.settings.request_retries:
-                    if isinstance(exc, ServerError):
-                        result, served_by = self._second_opinion(payload, exc)
-                        return result, attempt + 1, served_by
-                    raise
-                log.warning("%s: attempt %d failed (%s); retrying in %.0f s", self.server.name, attempt, exc, delay)
-                time.sleep(delay)
-                delay = min(delay * 2, 30)
-                continue
-            with self._lock:
-                self._consecutive_failures = 0
-            return result, attempt, self.server.name
-        raise AssertionError("unreachable")
+            attempts += 1
+            return stream_chat(self.session, self.server.url, self.api_key, payload,
+                               stall_s=self.settings.stall_timeout_s, cap_s=self.settings.request_cap_s)
+
+        try:
+            result = http.with_retries(send, self.settings.request_retries + 1, on_failure=self._judge_server,
+                                       name=self.server.name, level=logging.WARNING)
+        except ServerError as exc:  # every try met a 5xx
+            result, served_by = self._second_opinion(payload, exc)
+            return result, attempts + 1, served_by
+        with self._lock:
+            self._consecutive_failures = 0
+        return result, attempts, self.server.name
+
+    def _judge_server(self, exc: TransientError, attempt: int) -> None:
+        """A request failed: is its server still alive? Liveness is judged by the server, not by how often prompts
+        fail: a probe without an answer marks it unhealthy, and so does one without a 200 after many failures in a
+        row. A cluster of poison prompts (every slot failing, each retry again) leaves it healthy while the probe
+        gets its 200."""
+        with self._lock:
+            self._consecutive_failures += 1
+            failing = self._consecutive_failures
+        status = self._probe(self.server)
+        if status is None or (failing >= self.failure_limit and status != 200):
+            self.stop.set()
+            raise ServerUnhealthy(f"{self.server.name} stopped answering ({failing} failures in a row, a 1-token "
+                                  f"probe got {status or 'no answer'}; last: {exc})") from exc
 
     def _probe(self, server: Server) -> int | None:
         """HTTP status of a real 1-token generation (None: no answer). `/health` can answer while the

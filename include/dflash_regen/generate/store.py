@@ -32,6 +32,7 @@ import logging
 import os
 import shutil
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pyarrow as pa
@@ -51,6 +52,7 @@ from dflash_regen.layout import (
     shard_of,
     store_dir,
 )
+from dflash_regen.prompts import inputs, planning
 from dflash_regen.prompts.formats import prompt_digest
 from dflash_regen.schemas import COMPLETION, QUARANTINE
 from dflash_regen.settings.run_config import RunConfig, sample_seed
@@ -382,6 +384,23 @@ def plan_reuse(cfg: RunConfig, shards: list[dict], model_dir: Path) -> dict:
     return report
 
 
+def plan_run(cfg: RunConfig, source: Path, model_dir: Path, max_shards: int) -> list[dict]:
+    """The plan_shards task: the prompts planned into shards (at most `max_shards`), every completion the store
+    holds for them placed (Param reuse), reports/plan.json. Returns the shard descriptors for the mapped tasks:
+    small dicts, never the prompts themselves."""
+    inputs.check_output_root(cfg.output_root)  # runs beside stage_weights: fail as clearly, not retried
+    plan = planning.plan_shards(source, cfg.layout, replace(cfg.plan, max_shards=max_shards))
+    shards = [dict(s) for s in plan["shards"]]
+    reuse = plan_reuse(cfg, shards, model_dir)  # sets each shard's to_generate
+    log.info("completion store (Param reuse = %s): %d of %d prompts reused, %d to generate%s%s", cfg.reuse,
+             reuse["reused"], reuse["prompts"], reuse["to_generate"],
+             f"; nothing reused: {reuse['why_none']}" if reuse.get("why_none") else "",
+             f"; {reuse['problems_line']}" if reuse.get("problems_line") else "")
+    cfg.layout.write_report("plan", {k: v for k, v in plan.items() if k != "shards"} | {"shards": len(shards),
+                                                                                       "reuse": reuse})
+    return [{**s, "run_prompts": reuse["to_generate"]} for s in shards]
+
+
 def _by_source_run(layout: RunLayout) -> dict[str, int]:
     """Completions this run holds, by the run that generated them."""
     sources: dict[str, int] = {}
@@ -398,8 +417,13 @@ def provenance(layout: RunLayout) -> dict:
             "by_source_run": _by_source_run(layout)}
 
 
-def nothing_to_generate(shards: list[dict]) -> bool:
-    return bool(shards) and all(s.get("to_generate", s["prompts"]) == 0 for s in shards)
+def nothing_to_generate(shards: list[dict]) -> str | None:
+    """Why the run needs no fleet (the store holds every planned prompt's completion), or None."""
+    if not shards or any(s.get("to_generate", s["prompts"]) for s in shards):
+        return None
+    return (f"nothing to generate: the completion store holds all {planning.accepted(shards):,} prompts' "
+            "completions under this run's generation settings (reports/plan.json `reuse`), so no weights are "
+            "staged and no server is launched or gated")
 
 
 # ------------------------------------------------------------------------------------------ list, prune

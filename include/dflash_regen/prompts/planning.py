@@ -237,3 +237,13 @@ def plan_shards(source: Path, layout: RunLayout, settings: PlanSettings) -> dict
         log.info("skipped %d file(s) that hold no rows (documentation, datasets caches): %s", len(docs),
                  ", ".join(p.name for p in docs))
     return plan
+
+
+def accepted(shards: list[dict]) -> int:
+    """The run's accepted prompts: every planned shard's."""
+    return sum(s["prompts"] for s in shards)
+
+
+def to_generate(shards: list[dict]) -> int:
+    """What is left to send: the accepted prompts the completion store did not have (what the fleet is sized for)."""
+    return sum(s.get("to_generate", s["prompts"]) for s in shards)

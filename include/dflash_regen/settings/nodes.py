@@ -119,11 +119,19 @@ def assign(shards: list[dict], rates: dict[str, float]) -> dict[str, list[dict]]
     return out
 
 
+def forget_decision(layout: RunLayout) -> None:
+    """A run (or the same run id again) decides afresh whether the node takes part: its ready and left-out records
+    go when it stages."""
+    for name in (READY, LEFT_OUT):
+        layout.node_report(name).unlink(missing_ok=True)
+
+
 def assign_run(layout: RunLayout, shards: list[dict], node_names: list[str], keep_going: bool
-               ) -> tuple[dict, dict[str, list[dict]]]:
+               ) -> dict[str, list[dict]]:
     """Shards to the nodes that passed their gates, in proportion to each one's calibrated rate (prompts/s of its
-    fleet; by healthy server count when a node was not calibrated): the assignment report and each node's shards.
-    A node left out fails the run unless `keep_going` (Param node_failure = continue)."""
+    fleet; by healthy server count when a node was not calibrated): each node's shards (none for a node left
+    out), the split in `reports/assignment.json`. A node left out fails the run unless `keep_going` (Param
+    node_failure = continue)."""
     ready, left_out = {}, {}
     for name in node_names:
         ready_file, left_out_file = layout.node_report(READY, name), layout.node_report(LEFT_OUT, name)
@@ -153,7 +161,8 @@ def assign_run(layout: RunLayout, shards: list[dict], node_names: list[str], kee
                  rates[name], 100 * rates[name] / total_rate)
     for name, why in left_out.items():
         log.warning("node %s is left out: %s", name, why)
-    return report, assigned
+    layout.write_report("assignment", report)
+    return {name: assigned.get(name, []) for name in node_names}
 
 
 def split_report(layout: RunLayout) -> dict | None:

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash_regen.errors import ConfigError
-from dflash_regen.layout import RunLayout
+from dflash_regen.layout import RunLayout, publish_dir
 from dflash_regen.settings.deployment import DEMO_MODEL, DEMO_PROMPTS, EMULATOR
 from dflash_regen.settings.params import COOKBOOK_ENV, COOKBOOK_FLAGS, SPECS, checked, defaults
 from dflash_regen.settings.params import invalid as _fail
@@ -269,7 +269,7 @@ class RunConfig:
 
     @property
     def publish_dir(self) -> Path:
-        return self.output_root / "published" / self.dataset_name / self.run_id
+        return publish_dir(self.output_root, self.dataset_name, self.run_id)
 
     def with_extra_flags(self, extra: str) -> RunConfig:
         """This run with `extra` SGLang flags on top of Param server_flags (autotune's candidates, the fleet it

@@ -59,16 +59,24 @@ def auth_headers(api_key: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
 
-def with_retries(call: Callable[[], T], attempts: int, *, delay_s: float = 1.0, max_delay_s: float = 30.0) -> T:
-    """The retry policy: a `TransientError` is retried with doubling delays, anything else propagates
-    (a `PromptError` is the prompt's fault; sending it again cannot help)."""
+def with_retries(call: Callable[[], T], attempts: int, *, delay_s: float = 1.0, max_delay_s: float = 30.0,
+                 on_failure: Callable[[TransientError, int], None] | None = None, name: str = "",
+                 level: int = logging.INFO) -> T:
+    """The one retry policy (the smoke gate, calibration and every sample's request): a `TransientError` is
+    retried, `attempts` tries in all, with delays doubling from `delay_s` up to `max_delay_s`; anything else
+    propagates (a `PromptError` is the prompt's fault; sending it again cannot help). `on_failure(error, attempt)`
+    sees each transient failure first and may raise instead (a server found dead ends the retries); the last
+    failure is raised. `name` and `level`: how a retry is logged."""
     for attempt in range(1, attempts + 1):
         try:
             return call()
         except TransientError as exc:
+            if on_failure is not None:
+                on_failure(exc, attempt)
             if attempt == attempts:
                 raise
-            log.info("attempt %d of %d failed (%s); retrying in %.0f s", attempt, attempts, exc, delay_s)
+            log.log(level, "%sattempt %d of %d failed (%s); retrying in %.0f s", f"{name}: " if name else "",
+                    attempt, attempts, exc, delay_s)
             time.sleep(delay_s)
             delay_s = min(delay_s * 2, max_delay_s)
     raise AssertionError("attempts must be >= 1")

@@ -21,9 +21,12 @@ import pyarrow.parquet as pq
 
 from dflash_regen import atomic
 from dflash_regen.chat import conversation
-from dflash_regen.chat.template import summarize_mask, tokenize_batch
-from dflash_regen.layout import RunLayout
+from dflash_regen.chat.template import TokenizeError, load_tokenizer, summarize_mask, tokenize_batch
+from dflash_regen.errors import Drained, NotRetryable
+from dflash_regen.generate.shard import drain_request
+from dflash_regen.layout import COMPLETIONS, RunLayout
 from dflash_regen.schemas import SUMMARY, TOKENIZED
+from dflash_regen.settings.run_config import RunConfig
 from dflash_regen.sglang.api import Dialect
 
 log = logging.getLogger(__name__)
@@ -127,3 +130,38 @@ def _tokens_table(sample_ids: list[str], summary: list[dict], tokenized: list[tu
 def _input_turns_after_last_user(messages: list[dict]) -> bool:
     last_user = max(i for i, m in enumerate(messages) if m["role"] == "user")
     return any(m["role"] == "assistant" for m in messages[last_user + 1:])
+
+
+def tokenize_completions(cfg: RunConfig, shard: int, completions: Path | None, model_dir: Path) -> dict:
+    """The tokenize task: shard `shard`'s completions (at `completions`, its generate's result; None when generate
+    was skipped, the store having supplied the shard) tokenized with the chat template of the model in
+    `model_dir`, its tools rendered as the SGLang version that served them did. `Drained` when the run was drained
+    before the shard's generation finished."""
+    completions = completions or cfg.layout.merged(COMPLETIONS, shard)
+    if not completions.is_file() and (request := drain_request(cfg.layout.drain_request)):
+        raise Drained(f"shard {shard} is not tokenized: the run was drained by {request['by']} before its generation "
+                      "finished")
+    if not completions.is_file():
+        raise NotRetryable(f"shard {shard} has no completions at {completions} and its generate did not run "
+                           "(skipped); clear plan_shards with Downstream to plan and generate the run again")
+    return tokenize_shard(cfg.layout.shard(shard), completions, cfg.layout, shard, load_tokenizer(model_dir),
+                          include_reasoning=cfg.mask_reasoning, dialect=served_dialect(cfg, completions))
+
+
+def served_dialect(cfg: RunConfig, completions: Path | None = None) -> Dialect | None:
+    """The SGLang version the node's fleet ran (its health report): how it handed the tools to the template. A run
+    whose fleet was skipped (the store supplied it) asks the runs that generated its completions."""
+    path = cfg.layout.node_report("health")
+    paths = [path]
+    if not path.is_file() and completions is not None and completions.is_file():
+        sources = set(pq.read_table(completions, columns=["source_run"]).column("source_run").to_pylist())
+        paths = [RunLayout.of(cfg.output_root, run, cfg.node).node_report("health") for run in sorted(sources) if run]
+    servers = [s for p in paths if p.is_file() for s in json.loads(p.read_text())["servers"]]
+    versions = sorted({s["version"] for s in servers if s.get("version")})
+    if len(versions) > 1:
+        raise TokenizeError(f"the fleet in {path} ran SGLang {', '.join(versions)}: one version per node renders one "
+                            "tools block; relaunch the fleet with one server_command")
+    if not versions:
+        log.warning("no SGLang version in %s: tools are rendered as sent, which may differ from the server's "
+                    "<tools> block", path)
+    return Dialect(versions[0]) if versions else None

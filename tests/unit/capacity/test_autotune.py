@@ -48,3 +48,24 @@ def test_extra_candidates_are_validated_as_params():
         RunConfig.from_params({**params, "autotune_candidates": ["--port 1"]}, "r")
     with pytest.raises(ConfigError, match="'autotune' = 'sometimes' is invalid: must be one of off, advise, apply"):
         RunConfig.from_params({**params, "autotune": "sometimes"}, "r")
+
+
+def report_with(winner_flags: str | None) -> dict:
+    rows = [{"candidate": "current", "flags": "", "chosen": winner_flags is None}]
+    if winner_flags is not None:
+        rows.append({"candidate": "MTP off", "flags": winner_flags, "chosen": True})
+    return {"candidates": rows}
+
+
+def test_apply_relaunches_with_the_winners_flags_and_advise_only_says_how():
+    report = report_with("--speculative-algorithm off")
+    assert autotune._decide(report, "apply") == "--speculative-algorithm off"
+    assert report["applied_flags"] == "--speculative-algorithm off"
+    assert report["action"] == "fleet relaunched with MTP off: --speculative-algorithm off"
+    report = report_with("--speculative-algorithm off")
+    assert autotune._decide(report, "advise") == "" and report["mode"] == "advise"
+    assert report["action"] == ("fleet relaunched with the run's own flags; to use MTP off, add "
+                                "'--speculative-algorithm off' to server_flags or set Param autotune to apply")
+    report = report_with(None)  # the current settings won: nothing to advise
+    assert autotune._decide(report, "apply") == ""
+    assert report["action"] == "fleet relaunched with the run's own flags"

@@ -94,3 +94,16 @@ def test_demo_model_is_deterministic(tmp_path):
     b = write_demo_model(tmp_path / "b")
     assert (a / "SHA256SUMS").read_text() == (b / "SHA256SUMS").read_text()
     assert hashlib.sha256((a / "config.json").read_bytes()).hexdigest() in (a / "SHA256SUMS").read_text()
+
+
+def test_tokenize_and_publish_read_the_staged_copy_only_of_this_source(source, tmp_path):
+    from dflash_regen.settings.run_config import DEFAULTS, RunConfig
+
+    params = {**DEFAULTS, "output_root": str(tmp_path / "out"), "staging_dir": str(tmp_path / "shm")}
+    cfg = RunConfig.from_params(params, "r1")
+    assert staging.model_dir(cfg, source) == source  # nothing staged (the store supplied the run)
+    staging.stage_run(cfg, source)
+    assert staging.model_dir(cfg, source) == cfg.staging_dir
+    assert json.loads(cfg.layout.node_report("staging").read_text())["copied_bytes"] > 0
+    other = write_demo_model(tmp_path / "other", shards=1, shard_bytes=1 << 10)
+    assert staging.model_dir(cfg, other) == other  # the staged copy is another model's

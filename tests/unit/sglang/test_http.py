@@ -17,7 +17,7 @@ from urllib3.exceptions import ProtocolError, ReadTimeoutError
 
 from dflash_regen.errors import AuthError, Cancelled, PromptError, ServerError, TransientError
 from dflash_regen.sglang.api import Api
-from dflash_regen.sglang.http import ChatResult, reasoning_tokens, sse_data, stream_chat
+from dflash_regen.sglang.http import ChatResult, reasoning_tokens, sse_data, stream_chat, with_retries
 
 URL = "http://fake:30000"
 
@@ -229,3 +229,45 @@ def test_non_streaming_calls_sort_errors_the_same_way():
     api = Api(URL, "k", session=session_with(FakeAdapter(400, [b'{"message": "bad"}'])))
     with pytest.raises(PromptError, match="bad"):
         api.chat({"model": "m"}, timeout_s=5)
+
+
+def flaky(failures: list[Exception], answer="ok"):
+    """A call that raises each of `failures` in turn, then answers; its `.calls` counts the tries."""
+    def call():
+        call.calls += 1
+        if failures:
+            raise failures.pop(0)
+        return answer
+    call.calls = 0
+    return call
+
+
+def test_the_retry_policy_retries_transient_errors_and_raises_the_last_when_tries_run_out():
+    call = flaky([TransientError("reset"), ServerError(503, "busy", URL)])
+    assert with_retries(call, 3, delay_s=0) == "ok" and call.calls == 3
+    call = flaky([TransientError("a"), ServerError(503, "the last", URL)])
+    with pytest.raises(ServerError, match="the last"):
+        with_retries(call, 2, delay_s=0)
+    assert call.calls == 2
+
+
+def test_the_retry_policy_sends_a_prompts_fault_once():
+    call = flaky([PromptError(400, "bad prompt")])
+    with pytest.raises(PromptError):
+        with_retries(call, 5, delay_s=0)
+    assert call.calls == 1
+
+
+def test_the_retry_policy_lets_its_caller_judge_each_failure_and_end_the_retries():
+    """Generation probes the server after each failed try: a dead server ends the retries at once."""
+    seen = []
+
+    def judge(exc, attempt):
+        seen.append((str(exc), attempt))
+        if attempt == 2:
+            raise Cancelled("server dead")
+
+    call = flaky([TransientError("one"), TransientError("two"), TransientError("three")])
+    with pytest.raises(Cancelled, match="server dead"):
+        with_retries(call, 5, delay_s=0, on_failure=judge)
+    assert seen == [("one", 1), ("two", 2)] and call.calls == 2
