@@ -21,7 +21,7 @@ The gates are setup tasks: clearing one failed `generate` shard re-launches and 
 sends only that shard's missing samples.
 Reports land in `<output_root>/runs/<run_id>/reports/`. The demo defaults run on the SGLang emulator.
 
-With several GPU nodes (env `DFLASH_NODES`, README "Several nodes") each node gets a task group on its own queue:
+With several GPU nodes (env `DFLASH_NODES`, docs/operations.md, "Several GPU nodes") each node gets a task group on its own queue:
 its fleet setups, its share of the shards (by the rate `calibrate` measured on it) and its teardown.
 """
 
@@ -37,7 +37,7 @@ from dflash_regen.settings import nodes
 from dflash_regen.settings.deployment import deployment
 from dflash_regen.settings.params import trigger_form
 
-# The deployment's environment (dflash_regen.deployment: each variable and its fallback), read at parse time.
+# The deployment's environment (settings/deployment.py: each variable and its fallback), read at parse time.
 DEPLOYMENT = deployment()
 # Training DAGs can be scheduled on this asset; each event's extra names the published version.
 DATASET = Asset(name="dflash_regen_dataset", uri="file:///dflash-regen/published")
@@ -50,9 +50,9 @@ TEARDOWN_PRIORITY = 100
 # A run works on one GPU node's RAM disk and loopback servers, so all its tasks go to that node's Celery
 # queue (one queue per node, see docker-compose.yaml); unset = Airflow's default queue, as in the demo.
 NODE_QUEUE = {"queue": DEPLOYMENT.worker_queue} if DEPLOYMENT.worker_queue else {}
-# Several GPU nodes (env DFLASH_NODES, see dflash_regen/nodes.py): a task group per node on the node's queue.
+# Several GPU nodes (env DFLASH_NODES, see settings/nodes.py): a task group per node on the node's queue.
 NODES = nodes.parse_nodes(DEPLOYMENT.nodes)
-# The trigger form: every Param's default, bounds and text come from the table in dflash_regen/params.py.
+# The trigger form: every Param's default, bounds and text come from the table in settings/params.py.
 PARAMS = {name: Param(**spec) for name, spec in trigger_form(DEPLOYMENT, nodes=bool(NODES)).items()}
 
 
@@ -116,7 +116,7 @@ def dflash_regen():
     # none_failed: a shard's generate skipped with the fleet (the store supplied it) still leaves it to tokenize.
     @task(map_index_template="{{ 'shard %04d' | format(shard.shard) }}", trigger_rule="none_failed")
     def tokenize(generated: dict | None, shard: dict, params=None, run_id=None, node=None) -> dict:
-        return tasks.tokenize_shard(params, run_id, generated, node=node, shard=shard)
+        return tasks.tokenize_shard(params, run_id, generated, shard, node=node)
 
     # Several nodes: a node left out (its tasks skipped) does not stop validation of the others' shards.
     @task(retries=0, trigger_rule="none_failed_min_one_success" if NODES else "all_success")

@@ -190,8 +190,7 @@ def generate(params: dict, run_id: str, shard: dict, node: dict | None = None) -
 
 
 @fail_fast
-def tokenize_shard(params: dict, run_id: str, generated: dict | None, node: dict | None = None,
-                   shard: dict | None = None) -> dict:
+def tokenize_shard(params: dict, run_id: str, generated: dict | None, shard: dict, node: dict | None = None) -> dict:
     """`generated` is None when generate was skipped: the store supplied the whole run (`plan_reuse` merged it)."""
     cfg = _cfg(params, run_id, node)  # the tokenizer is in the node's staged model dir
     index, path = (generated["shard"], Path(generated["path"])) if generated else (shard["shard"], None)

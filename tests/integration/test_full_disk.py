@@ -74,12 +74,12 @@ def test_a_full_output_disk_fails_each_stage_clearly_and_the_run_resumes_once_sp
             # 2. Tokenize.
             filler = fill(root, leave=24_000)
             with pytest.raises(AirflowFailException) as full:
-                tasks.tokenize_shard(params, RUN, generated)
+                tasks.tokenize_shard(params, RUN, generated, shard)
             assert re.match(rf"^DiskFull: no space left on the disk of {run.tokenized(0).parent} writing "
                             rf"{run.tokenized(0).name}: {NEEDS}", first_line(full)), first_line(full)
             assert not run.tokenized(0).exists() and hidden_leftovers(root) == []
             filler.unlink()
-            assert tasks.tokenize_shard(params, RUN, generated)["samples"] == len(ids)
+            assert tasks.tokenize_shard(params, RUN, generated, shard)["samples"] == len(ids)
 
             # 3. Publish (after the quality gate passed).
             validated = tasks.validate(params, RUN, [shard])

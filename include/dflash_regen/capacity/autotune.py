@@ -258,8 +258,8 @@ def autotune_fleet(cfg: RunConfig, model_path: Path, fleet: dict, shards: list[d
         return {**fleet, "mode": settings.mode, "skipped": "calibration_prompts is 0"}
     print_ = fingerprint(cfg, accepted(shards))
     report = read_report(cfg.node_reports_dir)
-    reused = bool(report and report.get("fingerprint") == print_ and report.get("candidates"))
-    if reused:
+    reused = report is not None and report.get("fingerprint") == print_ and bool(report.get("candidates"))
+    if report is not None and reused:
         log.info("autotune: reusing reports/autotune.json from an earlier attempt (same settings)")
     else:
         try:

@@ -35,7 +35,7 @@ def _exit_quietly(signum, frame) -> None:
 class _Preload(threading.Thread):
     """Imports FastAPI/uvicorn and loads the vocabulary while the main thread logs the loading sequence."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         super().__init__(name="preload", daemon=True)
         self.error: BaseException | None = None
 
