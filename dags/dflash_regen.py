@@ -21,8 +21,8 @@ The gates are setup tasks: clearing one failed `generate` shard re-launches and 
 sends only that shard's missing samples.
 Reports land in `<output_root>/runs/<run_id>/reports/`. The demo defaults run on the SGLang emulator.
 
-With several GPU nodes (env `DFLASH_NODES`, docs/operations.md, "Several GPU nodes") each node gets a task group on its own queue:
-its fleet setups, its share of the shards (by the rate `calibrate` measured on it) and its teardown.
+With several GPU nodes (env `DFLASH_NODES`, docs/operations.md, "Several GPU nodes") each node gets a task group
+on its own queue: its fleet setups, its share of the shards (by the rate `calibrate` measured on it) and its teardown.
 """
 
 from __future__ import annotations
