@@ -49,7 +49,8 @@ def acquire(output_root: Path, run_id: str, run_dir: str, run_is_active: Callabl
     """Take the output root for `run_id` (its folder `runs/<run_dir>`), or raise `RunLocked` naming the live
     run that holds it. `run_is_active(run_id)` asks the scheduler about a run whose process is gone."""
     output_root.mkdir(parents=True, exist_ok=True)
-    with open(run_lock(output_root).with_name(f".{run_lock(output_root).name}.guard"), "a") as guard:
+    lock = run_lock(output_root)
+    with open(lock.with_name(f".{lock.name}.guard"), "a") as guard:
         fcntl.flock(guard, fcntl.LOCK_EX)  # two runs starting at once decide one after the other
         holder = read_holder(output_root)
         if holder and not _is_this_process(holder):
@@ -70,9 +71,9 @@ def acquire(output_root: Path, run_id: str, run_dir: str, run_is_active: Callabl
                     "servers), or set Param output_root to another directory")
             log.warning("taking over the lock of run %r on %s: it is no longer running", holder["run_id"],
                         output_root)
-        atomic.write_json(run_lock(output_root), {"run_id": run_id, "run_dir": run_dir, "pid": os.getpid(),
-                                                    "host": socket.gethostname(), "taken_at": time.time(),
-                                                    "start_ticks": servers.start_ticks(os.getpid())})
+        atomic.write_json(lock, {"run_id": run_id, "run_dir": run_dir, "pid": os.getpid(),
+                                 "host": socket.gethostname(), "taken_at": time.time(),
+                                 "start_ticks": servers.start_ticks(os.getpid())})
 
 
 def reap_orphans(output_root: Path, run_dir: str) -> list[str]:
