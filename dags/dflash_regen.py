@@ -34,7 +34,7 @@ from airflow.sdk import Asset, Param, TaskGroup, chain, dag, setup, task, task_g
 
 from dflash_regen import tasks
 from dflash_regen.settings import nodes
-from dflash_regen.settings.deployment import deployment
+from dflash_regen.settings.deployment import GENERATE_RETRIES_MAX, deployment
 from dflash_regen.settings.params import trigger_form
 
 # The deployment's environment (settings/deployment.py: each variable and its fallback), read at parse time.
@@ -43,8 +43,6 @@ DEPLOYMENT = deployment()
 DATASET = Asset(name="dflash_regen_dataset", uri="file:///dflash-regen/published")
 # Shard tasks running at once; each leases one server, so more than the fleet size would only wait.
 PARALLEL_SHARDS = DEPLOYMENT.parallel_shards
-# A failed shard is retried on another server; 0 leaves failed shards for a human to clear (UI tests do).
-GENERATE_RETRIES = DEPLOYMENT.generate_retries
 # Above every other task's priority (weight_rule "downstream" gives at most the task count).
 TEARDOWN_PRIORITY = 100
 # A run works on one GPU node's RAM disk and loopback servers, so all its tasks go to that node's Celery
@@ -107,11 +105,12 @@ def dflash_regen():
     def calibrate(fleet: dict, shards: list[dict], params=None, run_id=None, node=None) -> dict:
         return tasks.calibrate(params, run_id, fleet, shards, node=node)
 
-    @task(retries=GENERATE_RETRIES, retry_delay=dt.timedelta(seconds=5), retry_exponential_backoff=2.0,
+    # Airflow fixes retries at parse time: the most here; the run's generate_retries Param stops earlier.
+    @task(retries=GENERATE_RETRIES_MAX, retry_delay=dt.timedelta(seconds=5), retry_exponential_backoff=2.0,
           max_retry_delay=dt.timedelta(minutes=2), max_active_tis_per_dagrun=PARALLEL_SHARDS,
           map_index_template="{{ shard.label }}")
-    def generate(shard: dict, params=None, run_id=None, node=None) -> dict:
-        return tasks.generate(params, run_id, shard, node=node)
+    def generate(shard: dict, params=None, run_id=None, ti=None, node=None) -> dict:
+        return tasks.generate(params, run_id, shard, node=node, ti=ti)
 
     # none_failed: a shard's generate skipped with the fleet (the store supplied it) still leaves it to tokenize.
     @task(map_index_template="{{ 'shard %04d' | format(shard.shard) }}", trigger_rule="none_failed")

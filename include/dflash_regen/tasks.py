@@ -9,6 +9,7 @@ callbacks. Errors that a retry cannot fix (bad Params, a failed gate, no space o
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import time
@@ -182,11 +183,37 @@ def plan_shards(params: dict, run_id: str) -> list[dict]:
 
 
 @fail_fast
-def generate(params: dict, run_id: str, shard: dict, node: dict | None = None) -> dict:
+def generate(params: dict, run_id: str, shard: dict, node: dict | None = None, ti=None) -> dict:
+    cfg = _cfg(params, run_id, node)
+    with _retries_per_run(ti, cfg.generation.generate_retries, shard["label"]):
+        try:
+            return run_shard(cfg, shard)
+        except Drained as exc:  # the operator's drain: not a failure, nothing to retry
+            raise AirflowSkipException(str(exc)) from exc
+
+
+@contextlib.contextmanager
+def _retries_per_run(ti, allowed: int, label: str):
+    """The run's generate_retries within the task's fixed retries (the DAG gives it the most): a failure once
+    `allowed` retries are used fails the task for good, with its own message, and a retry Airflow started past them
+    (a killed task process is retried by Airflow, not by us) fails at once. None without a task instance."""
+    if ti is None:
+        yield
+        return
+    # Airflow counts tries across clears; a clear sets max_tries = try_number + retries, so this attempt's
+    # first try is max_tries - retries + 1.
+    used = ti.try_number - (ti.max_tries - ti.task.retries + 1)
+    why = f"this run's generate_retries is {allowed}; clear the task to run it again"
+    if used > allowed:
+        raise AirflowFailException(f"{label} not run again: it already failed {used} of {allowed + 1} allowed tries; {why}")
     try:
-        return run_shard(_cfg(params, run_id, node), shard)
-    except Drained as exc:  # the operator's drain: not a failure, nothing to retry
-        raise AirflowSkipException(str(exc)) from exc
+        yield
+    except (AirflowSkipException, AirflowFailException, NotRetryable):
+        raise
+    except Exception as exc:
+        if used < allowed:
+            raise
+        raise AirflowFailException(f"{exc}\nNot retried: {why}.").with_traceback(exc.__traceback__) from exc.__cause__
 
 
 @fail_fast

@@ -64,3 +64,49 @@ def test_a_left_out_node_gets_nothing_with_continue_and_fails_the_split_without(
         tasks.assign_shards(run_params(node_failure="fail"), "r", shards(4), ["fast", "slow"])
     with pytest.raises(AirflowFailException, match="no node passed its gates"):
         tasks.assign_shards(params, "empty", shards(4), ["fast", "slow"])
+
+
+class Try:
+    """Airflow's view of one try of a task with the DAG's fixed retries: its number and max_tries (a clear sets
+    max_tries = try_number + retries)."""
+
+    def __init__(self, try_number, max_tries=10, retries=10):
+        self.try_number, self.max_tries = try_number, max_tries
+        self.task = type("Task", (), {"retries": retries})()
+
+
+def run_try(ti, allowed, error=RuntimeError("server-3 died: 3 of 20 kept")):
+    """Run a failing body under the run's generate_retries; returns the exception Airflow would see."""
+    ran = []
+    with pytest.raises(Exception) as caught:
+        with tasks._retries_per_run(ti, allowed, "shard 0002"):
+            ran.append(True)
+            raise error
+    return caught.value, bool(ran)
+
+
+def test_generate_retries_per_run_lets_airflow_retry_until_the_params_count_then_fails_for_good():
+    error, ran = run_try(Try(1), allowed=2)
+    assert type(error) is RuntimeError and ran  # Airflow retries it
+    error, _ = run_try(Try(2), allowed=2)
+    assert type(error) is RuntimeError
+    error, _ = run_try(Try(3), allowed=2)  # the second retry: none left
+    assert isinstance(error, AirflowFailException)
+    assert str(error).splitlines()[0] == "server-3 died: 3 of 20 kept"
+    assert "generate_retries is 2" in str(error)
+    error, _ = run_try(Try(1), allowed=0)
+    assert isinstance(error, AirflowFailException)
+
+
+def test_a_try_airflow_starts_past_the_params_retries_fails_at_once_and_a_clear_gives_them_again():
+    error, ran = run_try(Try(2), allowed=0)  # a killed task process, retried by Airflow: not run again
+    assert isinstance(error, AirflowFailException) and not ran
+    assert str(error).startswith("shard 0002 not run again: it already failed 1 of 1 allowed tries")
+    # Cleared after its 4th try: max_tries = 4 + 10, and the 5th try is the first of a new attempt.
+    error, ran = run_try(Try(5, max_tries=14), allowed=1)
+    assert type(error) is RuntimeError and ran
+
+
+def test_a_failure_that_no_retry_fixes_keeps_its_own_way_out():
+    error, _ = run_try(Try(1), allowed=3, error=AirflowSkipException("drained"))
+    assert isinstance(error, AirflowSkipException)

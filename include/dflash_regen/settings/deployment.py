@@ -36,9 +36,9 @@ class Deployment:
       DFLASH_OUTPUT_ROOT       output_root             (~/dflash-regen)
       DFLASH_EMULATOR_PROFILE  emulator_profile        (JSON object; {} = the emulator's default)
       DFLASH_SHARD_SIZE        shard_size              ('' = the Param table's; `make airflow` sizes it for the demo)
+      DFLASH_GENERATE_RETRIES  generate_retries        (3; 0 leaves a failed shard for a human to clear)
     Read when the DAG is parsed (not Params: Airflow fixes them per task, not per run):
       DFLASH_PARALLEL_SHARDS   generate tasks running at once (7)
-      DFLASH_GENERATE_RETRIES  retries of a failed shard (3; 0 leaves it for a human to clear)
       DFLASH_WORKER_QUEUE      the Celery queue of every task ('' = Airflow's default queue)
       DFLASH_NODES             several GPU nodes, a JSON list (settings/nodes.py; '' = one node)
     Read by the report pages (the api-server):
@@ -73,7 +73,8 @@ class Deployment:
         return {"model_source_dir": self.model_source_dir, "staging_dir": self.staging_dir,
                 "server_command": self.server_command, "base_port": self.base_port,
                 "prompt_source": self.prompt_source, "output_root": self.output_root,
-                "emulator_profile": copy.deepcopy(self.emulator_profile)} | \
+                "emulator_profile": copy.deepcopy(self.emulator_profile),
+                "generate_retries": self.generate_retries} | \
             ({"shard_size": self.shard_size} if self.shard_size else {})
 
 
@@ -84,6 +85,11 @@ _ENV = {"model_source_dir": "DFLASH_MODEL_SOURCE", "staging_dir": "DFLASH_STAGIN
         "parallel_shards": "DFLASH_PARALLEL_SHARDS",
         "generate_retries": "DFLASH_GENERATE_RETRIES", "worker_queue": "DFLASH_WORKER_QUEUE", "nodes": NODES_ENV,
         "served_roots": "DFLASH_SERVED_ROOTS"}
+
+
+# The generate task's retries in the DAG: Airflow fixes them when it parses the DAG, so the DAG asks for the most
+# and the generate_retries Param lowers them per run (tasks.py).
+GENERATE_RETRIES_MAX = 10
 
 
 def deployment(environ: Mapping[str, str] | None = None) -> Deployment:
@@ -105,6 +111,10 @@ def deployment(environ: Mapping[str, str] | None = None) -> Deployment:
             found[f.name] = _env_object(name, text)
         else:
             found[f.name] = text
+    retries = found.get("generate_retries", 0)
+    if not 0 <= retries <= GENERATE_RETRIES_MAX:
+        raise ConfigError(f"environment variable DFLASH_GENERATE_RETRIES = {retries} is outside 0..{GENERATE_RETRIES_MAX}"
+                          f" (the most retries the DAG gives a shard); give a number in that range")
     return Deployment(**found)
 
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dflash_regen.errors import ConfigError
-from dflash_regen.settings.deployment import EMULATOR, Deployment, deployment
+from dflash_regen.settings.deployment import EMULATOR, GENERATE_RETRIES_MAX, Deployment, deployment
 
 FORMATS = ("openai", "sharegpt", "specforge", "prompt")  # prompt row formats (prompts/formats.py reads each)
 PROMPT_FORMATS = ("auto", *FORMATS)
@@ -261,6 +261,12 @@ SPECS: dict[str, Spec] = {
         4, "integer", DISPATCH, title="Retries per request", minimum=0, maximum=100,
         description=("For connection resets, 5xx/429 and stalls, with backoff; a server that keeps failing is marked "
                      "unhealthy and the shard moves.")),
+    "generate_retries": Spec(
+        DEMO.generate_retries, "integer", DISPATCH, title="Retries of a failed shard", minimum=0,
+        maximum=GENERATE_RETRIES_MAX,
+        description=("Airflow retries a failed generate task this many times (with backoff), each on the server "
+                     "that failed it avoided; 0 leaves it for a human to clear. A clear gives the shard as many "
+                     "again. Default: the deployment's DFLASH_GENERATE_RETRIES.")),
     "max_generate_error_share": Spec(
         0.05, "number", DISPATCH, title="Max share of prompts the servers refuse", minimum=0, maximum=1,
         description=("Per shard: prompts refused by two servers (4xx, or the same 5xx) are quarantined; above this "

@@ -173,6 +173,7 @@ class GenerationSettings:
     stall_timeout_s: float
     request_cap_s: float
     request_retries: int
+    generate_retries: int  # Airflow's retries of a failed shard; tasks.generate applies it per run
     retry_truncated: bool
     regenerate_history: bool
     checkpoint_every: int
@@ -378,6 +379,7 @@ class RunConfig:
             stall_timeout_s=get("stall_timeout_s"),
             request_cap_s=get("request_cap_s"),
             request_retries=get("request_retries"),
+            generate_retries=get("generate_retries"),
             retry_truncated=get("retry_truncated"),
             regenerate_history=get("regenerate_history"),
             checkpoint_every=get("checkpoint_every"),
