@@ -81,7 +81,7 @@ class Receivers:
         for msg in self.mailbox.messages:
             assert msg["To"] == TO, msg["To"]
             part = msg.get_body(("html", "plain"))
-            body = html.unescape(part.get_content()).removeprefix("<pre>").removesuffix("</pre>")
+            body = html.unescape(part.get_content().replace("\r\n", "\n")).removeprefix("<pre>").removesuffix("</pre>")
             out.append(f"Subject: {msg['Subject']}\n{body}")
         return out
 

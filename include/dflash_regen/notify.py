@@ -139,7 +139,7 @@ def progress(run_id: str, layout: RunLayout, elapsed_s: float, links: tuple[str,
     share = f" ({p['share']:.0%})" if p.get("share") is not None else ""
     of = f"{planned:,}" if planned is not None else "?"
     title = (f"Run {run_id}: {done:,} of {of} prompts done{share} after "
-             f"{duration(elapsed_s)}, ETA {duration(eta) if eta is not None else 'unknown'}")
+             f"{duration(elapsed_s)}, ETA {'done' if eta == 0 else duration(eta) if eta is not None else 'unknown'}")
     return Message(title, links, (f"ETA from: {p['eta_source']}",) if p.get("eta_source") else (), failure=False)
 
 

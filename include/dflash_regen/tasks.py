@@ -67,6 +67,10 @@ class RunNotifier(BaseNotifier):
         super().__init__()
         self.event = event
 
+    def render_template_fields(self, context, jinja_env=None) -> None:
+        """Nothing to render (no template fields); and `dag.test` hands the DAG's callbacks its serialized DAG,
+        which has no template environment, so BaseNotifier's rendering would fail the callback there."""
+
     def notify(self, context) -> None:
         try:
             EVENTS[self.event](context, dict(context.get("params") or DEFAULTS), context["run_id"])
@@ -113,14 +117,15 @@ def _notifiers(settings: NotifySettings, message: notify.Message) -> list[tuple[
     return out
 
 
-def _send(cfg: RunConfig, message: notify.Message | None, context=None) -> None:
-    """To every receiver, the API key redacted; a receiver that fails (down, refused) is a warning in the log."""
+def _send(cfg: RunConfig, message: notify.Message | None) -> None:
+    """To every receiver, the API key redacted; a receiver that fails (down, refused) is a warning in the log. The
+    notifiers get no context: the text is whole (see RunNotifier.render_template_fields)."""
     if message is None:
         return
     message = notify.redacted(message, notify.secrets(cfg.layout))
     for receiver, notifier in _notifiers(cfg.notify, message):
         try:
-            notifier.notify(context or {})
+            notifier.notify({})
         except Exception as exc:  # noqa: BLE001 - the run goes on whatever the receiver does
             log.warning("%s: %r not sent: %s: %s", receiver, message.title, type(exc).__name__, exc)
 
@@ -130,13 +135,13 @@ def _task_failed(context, params: dict, run_id: str) -> None:
     ti, cfg = context["ti"], RunConfig.from_params(params, run_id)
     label = ti.task_id + (f" [{getattr(ti, 'rendered_map_index', None) or ti.map_index}]" if ti.map_index >= 0 else "")
     notify.record_failure(cfg.layout, label, context.get("exception"))
-    _send(cfg, notify.task_failed(run_id, ti.task_id, label, context.get("exception"), _links(run_id)), context)
+    _send(cfg, notify.task_failed(run_id, ti.task_id, label, context.get("exception"), _links(run_id)))
 
 
 def _run_failed(context, params: dict, run_id: str) -> None:
     cfg = RunConfig.from_params(params, run_id)
     failures = notify.recorded_failures(cfg.layout)
-    _send(cfg, notify.run_failed(run_id, failures, context.get("reason", ""), _links(run_id)), context)
+    _send(cfg, notify.run_failed(run_id, failures, context.get("reason", ""), _links(run_id)))
 
 
 def _wall_s(context) -> float | None:
@@ -146,13 +151,13 @@ def _wall_s(context) -> float | None:
 
 def _published(context, params: dict, run_id: str) -> None:
     cfg = RunConfig.from_params(params, run_id)
-    _send(cfg, notify.published(run_id, cfg.publish_dir, _wall_s(context), _links(run_id)), context)
+    _send(cfg, notify.published(run_id, cfg.publish_dir, _wall_s(context), _links(run_id)))
 
 
 def _progress(context, params: dict, run_id: str) -> None:
     cfg, wall_s = RunConfig.from_params(params, run_id), _wall_s(context)
     if wall_s is not None and notify.progress_due(cfg.layout, cfg.notify.notify_progress_h, time.time() - wall_s):
-        _send(cfg, notify.progress(run_id, cfg.layout, wall_s, _links(run_id)), context)
+        _send(cfg, notify.progress(run_id, cfg.layout, wall_s, _links(run_id)))
 
 
 EVENTS = {"task_failed": _task_failed, "run_failed": _run_failed, "published": _published, "progress": _progress}

@@ -16,8 +16,8 @@ def shards(n, size=10):
     return [{"shard": i, "prompts": size, "path": f"/x/{i}", "label": f"shard {i}"} for i in range(n)]
 
 
-def test_a_node_failing_a_gate_is_left_out_with_continue_and_fails_the_run_without(run_params):
-    params = run_params(node_failure="continue")
+def test_a_node_failing_a_gate_is_left_out_with_continue_and_fails_the_run_without(run_params, receivers):
+    params = run_params(node_failure="continue", **receivers.params())
     # health_check of a node whose fleet was never launched: a gate failure
     cfg = RunConfig.from_params(params, "r1", node="slow")
     launched = {"fleet_dir": str(cfg.fleet_dir)}
@@ -25,6 +25,11 @@ def test_a_node_failing_a_gate_is_left_out_with_continue_and_fails_the_run_witho
         tasks.health_check(params, "r1", launched, node=NODES["slow"])
     record = json.loads(cfg.layout.node_report("left_out").read_text())
     assert record["task"] == "health_check" and "re-run launch_fleet" in record["error"]
+    # Told by email and webhook: the node, the task and its first error line, then the run's links.
+    for text in (receivers.emails()[0].removeprefix("Subject: ").split("\n", 1)[1], receivers.posts()[0]):
+        lines = text.splitlines()
+        assert lines[0].startswith("Run r1: node slow left out, its health_check failed: ") and len(receivers.hooks) == 1
+        assert lines[1].endswith("/dags/dflash_regen/runs/r1") and lines[2].endswith("/dflash/runs/r1/fleet")
     with pytest.raises(AirflowFailException):
         tasks.health_check(run_params(node_failure="fail"), "r2", launched, node=NODES["slow"])
     with pytest.raises(AirflowFailException):  # one node: no node, no leaving out
@@ -64,3 +69,22 @@ def test_a_left_out_node_gets_nothing_with_continue_and_fails_the_split_without(
         tasks.assign_shards(run_params(node_failure="fail"), "r", shards(4), ["fast", "slow"])
     with pytest.raises(AirflowFailException, match="no node passed its gates"):
         tasks.assign_shards(params, "empty", shards(4), ["fast", "slow"])
+
+
+def test_no_receiver_configured_sends_nothing_and_a_receiver_down_is_only_a_warning(run_params, caplog):
+    from notify_receivers import SMTP_CONN_ID, free_port
+
+    from dflash_regen import notify
+
+    cfg = RunConfig.from_params(run_params(), "r1")
+    assert tasks._notifiers(cfg.notify, notify.Message("t", ())) == []  # the defaults: no email, no URL, no connection
+    closed = free_port()  # nothing listens there
+    down = RunConfig.from_params(run_params(notify_email_to="ops@example.test", notify_smtp_conn_id=SMTP_CONN_ID,
+                                            notify_apprise_urls=[f"json://127.0.0.1:{closed}/x"]), "r1")
+    conn = {"conn_type": "smtp", "host": "127.0.0.1", "port": closed, "extra": {"from_email": "a@example.test",
+                                                                                 "disable_ssl": True, "retry_limit": 0}}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(f"AIRFLOW_CONN_{SMTP_CONN_ID.upper()}", json.dumps(conn))
+        tasks._send(down, notify.Message("Run r1: gate health_check failed: x", ()))
+    assert "email via dflash_test_smtp: 'Run r1: gate health_check failed: x' not sent: ConnectionRefusedError" \
+        in caplog.text
