@@ -89,3 +89,14 @@ def test_no_receiver_configured_sends_nothing_and_a_receiver_down_is_only_a_warn
         tasks._send(down, notify.Message("Run r1: gate health_check failed: x", ()))
     assert "email via dflash_test_smtp: 'Run r1: gate health_check failed: x' not sent: ConnectionRefusedError" \
         in caplog.text
+
+
+def test_the_api_key_never_reaches_a_receiver(run_params, receivers):
+    from dflash_regen import notify
+
+    cfg = RunConfig.from_params(run_params(**receivers.params()), "r1")
+    cfg.fleet_dir.mkdir(parents=True)
+    cfg.layout.fleet.api_key.write_text("sk-run-key-0123")
+    tasks._send(cfg, notify.Message("Run r1: gate smoke_test failed: --api-key=sk-run-key-0123 refused", ("l",)))
+    assert receivers.posts() == ["Run r1: gate smoke_test failed: --api-key=*** refused\nl"]
+    assert receivers.emails() == [f"Subject: {receivers.posts()[0].splitlines()[0]}\n{receivers.posts()[0]}"]
