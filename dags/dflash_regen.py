@@ -66,9 +66,11 @@ PARAMS = {name: Param(**spec) for name, spec in trigger_form(DEPLOYMENT, nodes=b
     tags=["dflash", "sglang", "data"],
     params=PARAMS,
     # The callbacks repeat the error's first line at the end of the task log, where it opens; a task failed for good
-    # is recorded for the run's message and, a gate or a shard, told at once (docs/be-told-and-watch.md).
+    # is recorded for the run's message (until it succeeds after a clear) and, a gate or a shard, told at once
+    # (docs/be-told-and-watch.md).
     default_args={"retries": 1, "retry_delay": dt.timedelta(seconds=10),
                   "on_failure_callback": [tasks.log_reason, tasks.RunNotifier("task_failed")],
+                  "on_success_callback": tasks.RunNotifier("task_succeeded"),
                   "on_retry_callback": tasks.log_reason, **NODE_QUEUE},
     on_failure_callback=tasks.RunNotifier("run_failed"),
     on_success_callback=tasks.RunNotifier("published"),  # the run succeeds only when it published (check_published)

@@ -70,15 +70,20 @@ def task_failed(run_id: str, task_id: str, label: str, error: object, links: tup
     return None
 
 
-def _record(layout: RunLayout, label: str) -> Path:
-    name = "".join(c if c.isalnum() or c in "._-" else "_" for c in label)
-    return layout.notifications_dir / f"failed-{name}.json"
+def _record(layout: RunLayout, task_id: str, map_index: int) -> Path:
+    return layout.notifications_dir / f"failed-{task_id}-{map_index}.json"
 
 
-def record_failure(layout: RunLayout, label: str, error: object) -> None:
+def record_failure(layout: RunLayout, task_id: str, map_index: int, label: str, error: object) -> None:
     """A task that failed for good: its first error line, for the run-failed message (the callback of a task sees
     its error; the run's callback does not)."""
-    atomic.write_json(_record(layout, label), {"task": label, "error": first_line(error), "at": time.time()})
+    atomic.write_json(_record(layout, task_id, map_index),
+                      {"task": label, "error": first_line(error), "at": time.time()})
+
+
+def forget_failure(layout: RunLayout, task_id: str, map_index: int) -> None:
+    """The task succeeded (cleared after its failure, then run again): the run's message no longer names it."""
+    _record(layout, task_id, map_index).unlink(missing_ok=True)
 
 
 def recorded_failures(layout: RunLayout) -> list[dict]:

@@ -59,9 +59,10 @@ def log_reason(context) -> None:
 
 class RunNotifier(BaseNotifier):
     """The run's news through Airflow's notifiers (docs/be-told-and-watch.md). `event` is one of EVENTS: every
-    task's failure callback (a gate, a shard failed for good), generate's success callback (progress every N
-    hours) and the DAG's own callbacks (the run failed, the run published), which the dag processor runs under a
-    scheduler and `dag.test` in its own process. Telling never fails a task or the run: a warning in the log."""
+    task's failure and success callbacks (a gate, a shard failed for good; a success after a clear), generate's
+    success callback (progress every N hours) and the DAG's own callbacks (the run failed, the run published),
+    which the dag processor runs under a scheduler and `dag.test` in its own process. Telling never fails a task
+    or the run: a warning in the log."""
 
     def __init__(self, event: str):
         super().__init__()
@@ -134,8 +135,13 @@ def _task_failed(context, params: dict, run_id: str) -> None:
     """A task failed for good: its first error line kept for the run-failed message; a gate or a shard told now."""
     ti, cfg = context["ti"], RunConfig.from_params(params, run_id)
     label = ti.task_id + (f" [{getattr(ti, 'rendered_map_index', None) or ti.map_index}]" if ti.map_index >= 0 else "")
-    notify.record_failure(cfg.layout, label, context.get("exception"))
+    notify.record_failure(cfg.layout, ti.task_id, ti.map_index, label, context.get("exception"))
     _send(cfg, notify.task_failed(run_id, ti.task_id, label, context.get("exception"), _links(run_id)))
+
+
+def _task_succeeded(context, params: dict, run_id: str) -> None:
+    ti = context["ti"]
+    notify.forget_failure(RunConfig.from_params(params, run_id).layout, ti.task_id, ti.map_index)
 
 
 def _run_failed(context, params: dict, run_id: str) -> None:
@@ -155,12 +161,15 @@ def _published(context, params: dict, run_id: str) -> None:
 
 
 def _progress(context, params: dict, run_id: str) -> None:
+    """A shard ended (generate's success callback, in place of the default one): progress every N hours."""
+    _task_succeeded(context, params, run_id)
     cfg, wall_s = RunConfig.from_params(params, run_id), _wall_s(context)
     if wall_s is not None and notify.progress_due(cfg.layout, cfg.notify.notify_progress_h, time.time() - wall_s):
         _send(cfg, notify.progress(run_id, cfg.layout, wall_s, _links(run_id)))
 
 
-EVENTS = {"task_failed": _task_failed, "run_failed": _run_failed, "published": _published, "progress": _progress}
+EVENTS = {"task_failed": _task_failed, "task_succeeded": _task_succeeded, "run_failed": _run_failed,
+          "published": _published, "progress": _progress}
 
 
 def _cfg(params: dict, run_id: str, node: dict | None = None) -> RunConfig:

@@ -28,8 +28,11 @@ def test_a_gate_and_a_shard_failed_for_good_are_told_at_once_other_tasks_only_wi
 
 def test_the_run_failed_message_names_each_failed_task_with_its_first_error_line(tmp_path):
     layout = RunLayout(tmp_path / "run")
-    notify.record_failure(layout, "health_check", "health check failed on 1 of 2 servers: server 1\nmore")
-    notify.record_failure(layout, "check_published", "nothing was published")
+    notify.record_failure(layout, "generate", 3, "generate [shard 0003]", "shard 3 failed on server 1")
+    notify.record_failure(layout, "health_check", -1, "health_check", "health check failed on 1 of 2 servers: "
+                          "server 1\nmore")
+    notify.record_failure(layout, "check_published", -1, "check_published", "nothing was published")
+    notify.forget_failure(layout, "generate", 3)  # cleared, then it succeeded
     message = notify.run_failed("r1", notify.recorded_failures(layout), "task_failure", LINKS)
     lines = message.text().splitlines()
     assert lines[0] == "Run r1 failed: health_check"  # the verdict only says nothing was published: left out
