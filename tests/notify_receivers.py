@@ -56,7 +56,7 @@ class Receivers:
 
     def __enter__(self) -> Receivers:
         self.smtp.start()
-        threading.Thread(target=self.http.serve_forever, daemon=True).start()
+        threading.Thread(target=self.http.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
         return self
 
     def __exit__(self, *exc) -> None:

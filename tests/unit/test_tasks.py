@@ -89,6 +89,7 @@ def test_no_receiver_configured_sends_nothing_and_a_receiver_down_is_only_a_warn
         tasks._send(down, notify.Message("Run r1: gate health_check failed: x", ()))
     assert "email via dflash_test_smtp: 'Run r1: gate health_check failed: x' not sent: ConnectionRefusedError" \
         in caplog.text
+    assert "A Connection error occurred sending JSON notification to 127.0.0.1" in caplog.text  # Apprise's warning
 
 
 def test_the_api_key_never_reaches_a_receiver(run_params, receivers):
