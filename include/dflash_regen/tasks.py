@@ -326,7 +326,8 @@ def validate(params: dict, run_id: str, shards: list[dict]) -> dict:
 @fail_fast
 def publish_dataset(params: dict, run_id: str, validated: dict) -> dict:
     cfg = RunConfig.from_params(params, run_id)
-    config = {k: v for k, v in params.items() if k not in {"emulator_faults"}}
+    # Not where the run's news goes: the deployment's, and an Apprise URL may hold a token.
+    config = {k: v for k, v in params.items() if k != "emulator_faults" and not k.startswith("notify_")}
     return publish.publish_validated(cfg, validated, config, _model_dir(cfg))
 
 
