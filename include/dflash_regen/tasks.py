@@ -123,8 +123,13 @@ def _send(cfg: RunConfig, message: notify.Message | None) -> None:
     notifiers get no context: the text is whole (see RunNotifier.render_template_fields)."""
     if message is None:
         return
-    message = notify.redacted(message, notify.secrets(cfg.layout))
-    for receiver, notifier in _notifiers(cfg.notify, message):
+    try:
+        message = notify.redacted(message, notify.secrets(cfg.layout))
+        receivers = _notifiers(cfg.notify, message)
+    except Exception as exc:  # noqa: BLE001 - unreadable key file, bad connection: a warning (the text unredacted)
+        log.warning("a message was not sent: %s: %s", type(exc).__name__, exc)
+        return
+    for receiver, notifier in receivers:
         try:
             notifier.notify({})
         except Exception as exc:  # noqa: BLE001 - the run goes on whatever the receiver does
