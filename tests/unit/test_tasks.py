@@ -101,3 +101,13 @@ def test_the_api_key_never_reaches_a_receiver(run_params, receivers):
     tasks._send(cfg, notify.Message("Run r1: gate smoke_test failed: --api-key=sk-run-key-0123 refused", ("l",)))
     assert receivers.posts() == ["Run r1: gate smoke_test failed: --api-key=*** refused\nl"]
     assert receivers.emails() == [f"Subject: {receivers.posts()[0].splitlines()[0]}\n{receivers.posts()[0]}"]
+
+
+def test_an_apprise_connection_is_a_receiver_too(run_params, receivers, monkeypatch):
+    from dflash_regen import notify
+
+    url = receivers.params()["notify_apprise_urls"][0]
+    monkeypatch.setenv("AIRFLOW_CONN_APPRISE_DEFAULT",
+                       json.dumps({"conn_type": "apprise", "extra": {"config": [{"path": url}]}}))
+    tasks._send(RunConfig.from_params(run_params(), "r1"), notify.Message("Run r1 published 9 samples", ("l",)))
+    assert receivers.posts() == ["Run r1 published 9 samples\nl"] and receivers.emails() == []
