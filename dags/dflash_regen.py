@@ -63,9 +63,15 @@ PARAMS = {name: Param(**spec) for name, spec in trigger_form(DEPLOYMENT, nodes=b
     doc_md=__doc__,
     tags=["dflash", "sglang", "data"],
     params=PARAMS,
-    # The callbacks repeat the error's first line at the end of the task log, where it opens.
-    default_args={"retries": 1, "retry_delay": dt.timedelta(seconds=10), "on_failure_callback": tasks.log_reason,
+    # The callbacks repeat the error's first line at the end of the task log, where it opens; a task failed for good
+    # is recorded for the run's message (until it succeeds after a clear) and, a gate or a shard, told at once
+    # (docs/be-told-and-watch.md).
+    default_args={"retries": 1, "retry_delay": dt.timedelta(seconds=10),
+                  "on_failure_callback": [tasks.log_reason, tasks.RunNotifier("task_failed")],
+                  "on_success_callback": tasks.RunNotifier("task_succeeded"),
                   "on_retry_callback": tasks.log_reason, **NODE_QUEUE},
+    on_failure_callback=tasks.RunNotifier("run_failed"),
+    on_success_callback=tasks.RunNotifier("published"),  # the run succeeds only when it published (check_published)
 )
 def dflash_regen():
     # One node: after planning, skipped when the completion store holds every prompt's completion (and the fleet
@@ -108,7 +114,7 @@ def dflash_regen():
     # Airflow fixes retries at parse time: the most here; the run's generate_retries Param stops earlier.
     @task(retries=GENERATE_RETRIES_MAX, retry_delay=dt.timedelta(seconds=5), retry_exponential_backoff=2.0,
           max_retry_delay=dt.timedelta(minutes=2), max_active_tis_per_dagrun=PARALLEL_SHARDS,
-          map_index_template="{{ shard.label }}")
+          map_index_template="{{ shard.label }}", on_success_callback=tasks.RunNotifier("progress"))
     def generate(shard: dict, params=None, run_id=None, ti=None, node=None) -> dict:
         return tasks.generate(params, run_id, shard, node=node, ti=ti)
 

@@ -130,6 +130,18 @@ def run_params(tmp_path):
 
 
 @pytest.fixture
+def receivers(monkeypatch):
+    """A local SMTP server and webhook receiver (tests/notify_receivers.py), the SMTP connection in the
+    environment; `receivers.params()` points a run's notify Params at both."""
+    from notify_receivers import Receivers
+
+    with Receivers() as started:
+        for name, value in started.connection_env().items():
+            monkeypatch.setenv(name, value)
+        yield started
+
+
+@pytest.fixture
 def launch(run_params, tmp_path, no_leftover_servers):
     """Launch an emulated fleet from Params overrides; returns (cfg, servers, api key); always stopped.
     `launch.params` holds the last launch's Params, for calling tasks with them."""

@@ -15,6 +15,7 @@
       quality/          quarantine.parquet                                          (schemas.GATE_QUARANTINE)
       reports/          <name>.json, data_docs/, nodes/<node>/<name>.json
       autotune/[<node>/] candidate-<i>/ (a one-server fleet directory each)
+      notifications/    failed-<task>.json (a task failed for good), progress-<n> (sent)  (dflash_regen.notify)
 
 With several nodes the fleet, its reports and its autotune candidates are per node (`node`); everything
 else is per run. Beside `runs/`, the output root holds
@@ -279,6 +280,13 @@ class RunLayout:
 
     def status_files(self) -> list[Path]:
         return sorted(self.status_dir.glob(f"{_SHARD}*.json"))
+
+    # ------------------------------------------------------------------------------- notifications
+    @property
+    def notifications_dir(self) -> Path:
+        """notifications/: each task that failed for good (the run-failed message lists them) and the progress
+        messages sent (dflash_regen.notify)."""
+        return self.run_dir / "notifications"
 
     # ------------------------------------------------------------------------------------ tokenized
     @property

@@ -11,14 +11,16 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import html
 import logging
 import time
 from pathlib import Path
 
+from airflow.sdk import BaseHook, BaseNotifier
 from airflow.sdk.configuration import conf
-from airflow.sdk.exceptions import AirflowFailException, AirflowSkipException
+from airflow.sdk.exceptions import AirflowFailException, AirflowNotFoundException, AirflowSkipException
 
-from dflash_regen import publish, quality
+from dflash_regen import notify, publish, quality
 from dflash_regen.capacity import autotune, health, report
 from dflash_regen.demo.model import model_source
 from dflash_regen.demo.prompts import prompt_source
@@ -27,7 +29,7 @@ from dflash_regen.fleet import runlock, servers, smoke, staging
 from dflash_regen.generate import store
 from dflash_regen.generate.shard import run_shard
 from dflash_regen.settings import nodes
-from dflash_regen.settings.run_config import RunConfig
+from dflash_regen.settings.run_config import DEFAULTS, NotifySettings, RunConfig
 from dflash_regen.training import tokenize
 
 log = logging.getLogger(__name__)
@@ -56,6 +58,126 @@ def log_reason(context) -> None:
         log.error("%s failed: %s", context["ti"].task_id if context.get("ti") else "the task", first)
 
 
+class RunNotifier(BaseNotifier):
+    """The run's news through Airflow's notifiers (docs/be-told-and-watch.md). `event` is one of EVENTS: every
+    task's failure and success callbacks (a gate, a shard failed for good; a success after a clear), generate's
+    success callback (progress every N hours) and the DAG's own callbacks (the run failed, the run published),
+    which the dag processor runs under a scheduler and `dag.test` in its own process. Telling never fails a task
+    or the run: a warning in the log."""
+
+    def __init__(self, event: str):
+        super().__init__()
+        self.event = event
+
+    def render_template_fields(self, context, jinja_env=None) -> None:
+        """Nothing to render (no template fields); and `dag.test` hands the DAG's callbacks its serialized DAG,
+        which has no template environment, so BaseNotifier's rendering would fail the callback there."""
+
+    def notify(self, context) -> None:
+        try:
+            EVENTS[self.event](context, dict(context.get("params") or DEFAULTS), context["run_id"])
+        except Exception as exc:  # noqa: BLE001 - a message lost is a warning, never a failed task or run
+            log.warning("%s notification not sent: %s: %s", self.event, type(exc).__name__, exc)
+
+
+def _links(run_id: str) -> tuple[str, ...]:
+    base = conf.get("api", "base_url", fallback=None) or "http://localhost:8080"
+    return notify.run_links(base, "dflash_regen", run_id)
+
+
+def _defined(conn_id: str) -> bool:
+    try:
+        return BaseHook.get_connection(conn_id) is not None
+    except AirflowNotFoundException:
+        return False
+
+
+def _notifiers(settings: NotifySettings, message: notify.Message) -> list[tuple[str, BaseNotifier]]:
+    """Each receiver the run names, as an Airflow notifier: email (SMTP connection), Apprise URLs (Param) and the
+    Apprise connection's; none configured = none."""
+    from airflow.providers.apprise.notifications.apprise import AppriseNotifier
+    from airflow.providers.smtp.notifications.smtp import SmtpNotifier
+    from apprise import AppriseConfig, NotifyType
+
+    out: list[tuple[str, BaseNotifier]] = []
+    smtp = settings.notify_smtp_conn_id
+    if settings.notify_email_to and _defined(smtp):
+        out.append((f"email via {smtp}", SmtpNotifier(to=settings.notify_email_to.split(","), subject=message.title,
+                                                     html_content=f"<pre>{html.escape(message.text())}</pre>",
+                                                     smtp_conn_id=smtp)))
+    elif settings.notify_email_to:
+        log.warning("Param notify_email_to is set but Airflow has no connection %r: no email sent", smtp)
+    kind = NotifyType.FAILURE if message.failure else NotifyType.SUCCESS
+    if settings.notify_apprise_urls:
+        urls = AppriseConfig()
+        urls.add_config("\n".join(settings.notify_apprise_urls), format="text")
+        out.append(("Apprise URLs", AppriseNotifier(body=message.text(), notify_type=kind, config=urls)))
+    if _defined(settings.notify_apprise_conn_id):
+        out.append((f"Apprise via {settings.notify_apprise_conn_id}",
+                    AppriseNotifier(body=message.text(), notify_type=kind,
+                                    apprise_conn_id=settings.notify_apprise_conn_id)))
+    return out
+
+
+def _send(cfg: RunConfig, message: notify.Message | None) -> None:
+    """To every receiver, the API key redacted; a receiver that fails (down, refused) is a warning in the log. The
+    notifiers get no context: the text is whole (see RunNotifier.render_template_fields)."""
+    if message is None:
+        return
+    try:
+        message = notify.redacted(message, notify.secrets(cfg.layout))
+        receivers = _notifiers(cfg.notify, message)
+    except Exception as exc:  # noqa: BLE001 - unreadable key file, bad connection: a warning (the text unredacted)
+        log.warning("a message was not sent: %s: %s", type(exc).__name__, exc)
+        return
+    for receiver, notifier in receivers:
+        try:
+            notifier.notify({})
+        except Exception as exc:  # noqa: BLE001 - the run goes on whatever the receiver does
+            log.warning("%s: %r not sent: %s: %s", receiver, message.title, type(exc).__name__, exc)
+
+
+def _task_failed(context, params: dict, run_id: str) -> None:
+    """A task failed for good: its first error line kept for the run-failed message; a gate or a shard told now."""
+    ti, cfg = context["ti"], RunConfig.from_params(params, run_id)
+    label = ti.task_id + (f" [{getattr(ti, 'rendered_map_index', None) or ti.map_index}]" if ti.map_index >= 0 else "")
+    notify.record_failure(cfg.layout, ti.task_id, ti.map_index, label, context.get("exception"))
+    _send(cfg, notify.task_failed(run_id, ti.task_id, label, context.get("exception"), _links(run_id)))
+
+
+def _task_succeeded(context, params: dict, run_id: str) -> None:
+    ti = context["ti"]
+    notify.forget_failure(RunConfig.from_params(params, run_id).layout, ti.task_id, ti.map_index)
+
+
+def _run_failed(context, params: dict, run_id: str) -> None:
+    cfg = RunConfig.from_params(params, run_id)
+    failures = notify.recorded_failures(cfg.layout)
+    _send(cfg, notify.run_failed(run_id, failures, context.get("reason", ""), _links(run_id)))
+
+
+def _wall_s(context) -> float | None:
+    start = getattr(context.get("dag_run"), "start_date", None)
+    return time.time() - start.timestamp() if start else None
+
+
+def _published(context, params: dict, run_id: str) -> None:
+    cfg = RunConfig.from_params(params, run_id)
+    _send(cfg, notify.published(run_id, cfg.publish_dir, _wall_s(context), _links(run_id)))
+
+
+def _progress(context, params: dict, run_id: str) -> None:
+    """A shard ended (generate's success callback, in place of the default one): progress every N hours."""
+    _task_succeeded(context, params, run_id)
+    cfg, wall_s = RunConfig.from_params(params, run_id), _wall_s(context)
+    if wall_s is not None and notify.progress_due(cfg.layout, cfg.notify.notify_progress_h, time.time() - wall_s):
+        _send(cfg, notify.progress(run_id, cfg.layout, wall_s, _links(run_id)))
+
+
+EVENTS = {"task_failed": _task_failed, "task_succeeded": _task_succeeded, "run_failed": _run_failed,
+          "published": _published, "progress": _progress}
+
+
 def _cfg(params: dict, run_id: str, node: dict | None = None) -> RunConfig:
     """The run's config, as one node of several sees it (its GPUs, ports, staging dir, fleet dir) when given."""
     if not node:
@@ -77,6 +199,7 @@ def leave_out_node(fn):
             cfg = _cfg(params, run_id, node)
             cfg.layout.write_report(nodes.LEFT_OUT, {"node": cfg.node, "task": fn.__name__, "error": str(exc),
                                                      "at": time.time()})
+            _send(cfg, notify.node_left_out(run_id, cfg.node, fn.__name__, exc, _links(run_id)))
             raise AirflowSkipException(f"node {cfg.node} is left out of this run (Param node_failure = continue), "
                                        f"its {fn.__name__} failed: {exc}") from exc
 
@@ -205,7 +328,8 @@ def _retries_per_run(ti, allowed: int, label: str):
     used = ti.try_number - (ti.max_tries - ti.task.retries + 1)
     why = f"this run's generate_retries is {allowed}; clear the task to run it again"
     if used > allowed:
-        raise AirflowFailException(f"{label} not run again: it already failed {used} of {allowed + 1} allowed tries; {why}")
+        raise AirflowFailException(f"{label} not run again: it already failed {used} of {allowed + 1} allowed "
+                                   f"tries; {why}")
     try:
         yield
     except (AirflowSkipException, AirflowFailException, NotRetryable):
@@ -235,7 +359,8 @@ def validate(params: dict, run_id: str, shards: list[dict]) -> dict:
 @fail_fast
 def publish_dataset(params: dict, run_id: str, validated: dict) -> dict:
     cfg = RunConfig.from_params(params, run_id)
-    config = {k: v for k, v in params.items() if k not in {"emulator_faults"}}
+    # Not where the run's news goes: the deployment's, and an Apprise URL may hold a token.
+    config = {k: v for k, v in params.items() if k != "emulator_faults" and not k.startswith("notify_")}
     return publish.publish_validated(cfg, validated, config, _model_dir(cfg))
 
 

@@ -12,7 +12,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "include" / "dflash_regen"
 FOUNDATION = ("errors", "atomic", "layout", "schemas")
 # A stage imports its own package and the stages before it (or beside it), never one after it.
 STAGES = [FOUNDATION, ("settings",), ("sglang",), ("chat",), ("prompts",), ("fleet",), ("capacity",), ("generate",),
-          ("training",), ("quality",), ("publish",), ("demo", "ui"), ("tasks",)]
+          ("training",), ("quality",), ("publish",), ("demo", "ui"), ("notify",), ("tasks",)]
 STANDALONE = ("emulator",)  # SGLang's stand-in: a separate process that imports nothing of ours
 
 

@@ -3,7 +3,9 @@ supported SGLang's mode, a small run in the oldest's. A gate failing with the te
 (tests/faults/test_fault_matrix.py)."""
 
 import json
+import re
 from pathlib import Path
+from urllib.parse import quote
 
 import pyarrow.parquet as pq
 from conftest import FAST_PROFILE
@@ -116,11 +118,34 @@ def test_demo_dag_runs_green_on_seven_emulated_servers(dag, run_params, no_lefto
 
 
 def test_whole_dag_is_green_in_the_oldest_supported_sglangs_mode_on_loopback_and_never_logs_the_key(
-        dag, run_params, no_leftover_servers, caplog, capfd):
+        dag, run_params, no_leftover_servers, caplog, capfd, receivers):
+    # The run's news to a local SMTP server and webhook (tests/notify_receivers.py); a progress message is due at
+    # once (0.0001 h), and the one shard's end sends it.
     conf = run_params(2, shard_size=1000, calibration_prompts=0,  # one shard
-                      emulator_profile={**FAST_PROFILE, "sglang_version": OLDEST})
+                      emulator_profile={**FAST_PROFILE, "sglang_version": OLDEST}, **receivers.params(),
+                      notify_progress_h=0.0001)
     dag_run = dag.test(run_conf=conf)
     assert dag_run.state == "success", states(dag_run)
+    # Email and webhook got the same two messages, the progress and the publish (the DAG's success callback, which
+    # dag.test runs itself): first line, the run's links, path, counts, verdict and wall time; never the API key.
+    key = layout_of(conf, dag_run).fleet.api_key.read_text().strip()
+    manifest = check_invariants(conf, dag_run, published=True)
+    emails = [e.split("\n", 1)[1] for e in receivers.emails()]
+    assert [e.split("\n", 1)[0] for e in receivers.emails()] == [f"Subject: {t.splitlines()[0]}" for t in emails]
+    assert emails == receivers.posts() and len(emails) == 2, (emails, receivers.posts())
+    progress, published = (text.splitlines() for text in emails)
+    assert re.fullmatch(rf"Run {re.escape(dag_run.run_id)}: (\d+) of \1 prompts done \(100%\) after .+, ETA done",
+                        progress[0]), progress[0]  # the one shard's end: every prompt done
+    counts = manifest["counts"]
+    assert published[0] == f"Run {dag_run.run_id} published {counts['published']:,} samples"
+    assert published[1].endswith(f"/dags/dflash_regen/runs/{quote(dag_run.run_id, safe='')}")
+    assert published[2].endswith(f"/dflash/runs/{quote(dag_run.run_id, safe='')}/fleet")
+    version = Path(conf["output_root"]) / "published" / conf["dataset_name"]
+    assert f"Dataset: {next(version.iterdir())}" in published
+    assert f"Prompts {counts['prompts']:,} = published {counts['published']:,} + quarantined" in published[5]
+    assert published[6].startswith("Quality gate passed: ") and published[7].startswith("Wall time: ")
+    assert not any(key in text for text in emails + [m.as_string() for m in receivers.mailbox.messages])
+    assert not {k for k in manifest["config"] if k.startswith("notify_")}  # an Apprise URL may hold a token
     assert_ran_in_versions_mode(layout_of(conf, dag_run), OLDEST)
     # Security: servers listen on loopback only, and the API key is in no log, spec or server log.
     fleet = layout_of(conf, dag_run).fleet

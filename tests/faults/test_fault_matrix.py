@@ -13,6 +13,7 @@ the key never logged) rides on the oldest-SGLang run in tests/e2e/test_dag_run.p
 
 import json
 from pathlib import Path
+from urllib.parse import quote
 
 import pytest
 from conftest import tmpfs
@@ -69,8 +70,9 @@ def test_4_empty_content_server_fails_smoke_and_nothing_is_generated(dag, run_pa
     assert not layout_of(conf, dag_run).results_dir(COMPLETIONS).exists()
 
 
-def test_5_low_allocation_fails_health_naming_the_server_and_still_stops_the_fleet(dag, run_params, caplog, capfd):
-    conf = run_params(2, **QUICK, emulator_faults={"1": {"kv_tokens": 100_000}})
+def test_5_low_allocation_fails_health_naming_the_server_and_still_stops_the_fleet(dag, run_params, caplog, capfd,
+                                                                                   receivers):
+    conf = run_params(2, **QUICK, emulator_faults={"1": {"kv_tokens": 100_000}}, **receivers.params())
     dag_run = dag.test(run_conf=conf)
     got = states(dag_run)
     assert got["launch_fleet"] == "success" and got["health_check"] == "failed"
@@ -83,6 +85,20 @@ def test_5_low_allocation_fails_health_naming_the_server_and_still_stops_the_fle
     assert "health check failed on 1 of 2 servers" in logs(caplog, capfd) and "server 1 (GPU 1" in logs(caplog, capfd)
     report = json.loads(layout_of(conf, dag_run).report("health").read_text())
     assert not report["passed"] and "server 1 (GPU 1" in report["error"]
+    # Told by email and webhook (tests/notify_receivers.py): the gate at once (its callback), then the run (the
+    # DAG's failure callback, which dag.test runs itself) naming the failed task with its first error line; each
+    # opens with what happened to which run, then the run's links; the API key is in neither.
+    emails = [e.split("\n", 1)[1] for e in receivers.emails()]
+    assert emails == receivers.posts() and len(emails) == 2, (emails, receivers.posts())
+    gate, failed = (text.splitlines() for text in emails)
+    error = "GateFailed: " + report["error"].strip().splitlines()[0]  # the task error's first line, as its log ends
+    assert gate[0] == f"Run {dag_run.run_id}: gate health_check failed: {error}"
+    assert failed[0] == f"Run {dag_run.run_id} failed: health_check" and f"health_check: {error}" in failed
+    for lines in (gate, failed):
+        assert lines[1].endswith(f"/dags/dflash_regen/runs/{quote(dag_run.run_id, safe='')}")
+        assert lines[2].endswith(f"/dflash/runs/{quote(dag_run.run_id, safe='')}/fleet")
+    key = layout_of(conf, dag_run).fleet.api_key.read_text().strip()
+    assert not any(key in m.as_string() for m in receivers.mailbox.messages) and not any(key in p for p in emails)
 
 
 def test_6_and_8_malformed_rows_of_every_kind_and_a_looping_prompt_are_quarantined_with_distinct_reasons(

@@ -16,8 +16,8 @@ def shards(n, size=10):
     return [{"shard": i, "prompts": size, "path": f"/x/{i}", "label": f"shard {i}"} for i in range(n)]
 
 
-def test_a_node_failing_a_gate_is_left_out_with_continue_and_fails_the_run_without(run_params):
-    params = run_params(node_failure="continue")
+def test_a_node_failing_a_gate_is_left_out_with_continue_and_fails_the_run_without(run_params, receivers):
+    params = run_params(node_failure="continue", **receivers.params())
     # health_check of a node whose fleet was never launched: a gate failure
     cfg = RunConfig.from_params(params, "r1", node="slow")
     launched = {"fleet_dir": str(cfg.fleet_dir)}
@@ -25,6 +25,12 @@ def test_a_node_failing_a_gate_is_left_out_with_continue_and_fails_the_run_witho
         tasks.health_check(params, "r1", launched, node=NODES["slow"])
     record = json.loads(cfg.layout.node_report("left_out").read_text())
     assert record["task"] == "health_check" and "re-run launch_fleet" in record["error"]
+    # Told by email and webhook: the node, the task and its first error line, then the run's links.
+    assert len(receivers.emails()) == len(receivers.posts()) == 1
+    for text in (receivers.emails()[0].split("\n", 1)[1], receivers.posts()[0]):
+        lines = text.splitlines()
+        assert lines[0].startswith("Run r1: node slow left out, its health_check failed: ")
+        assert lines[1].endswith("/dags/dflash_regen/runs/r1") and lines[2].endswith("/dflash/runs/r1/fleet")
     with pytest.raises(AirflowFailException):
         tasks.health_check(run_params(node_failure="fail"), "r2", launched, node=NODES["slow"])
     with pytest.raises(AirflowFailException):  # one node: no node, no leaving out
@@ -75,7 +81,10 @@ class Try:
         self.task = type("Task", (), {"retries": retries})()
 
 
-def run_try(ti, allowed, error=RuntimeError("server-3 died: 3 of 20 kept")):
+SERVER_DIED = RuntimeError("server-3 died: 3 of 20 kept")
+
+
+def run_try(ti, allowed, error=SERVER_DIED):
     """Run a failing body under the run's generate_retries; returns the exception Airflow would see."""
     ran = []
     with pytest.raises(Exception) as caught:
@@ -110,3 +119,44 @@ def test_a_try_airflow_starts_past_the_params_retries_fails_at_once_and_a_clear_
 def test_a_failure_that_no_retry_fixes_keeps_its_own_way_out():
     error, _ = run_try(Try(1), allowed=3, error=AirflowSkipException("drained"))
     assert isinstance(error, AirflowSkipException)
+
+
+def test_no_receiver_configured_sends_nothing_and_a_receiver_down_is_only_a_warning(run_params, caplog):
+    from notify_receivers import SMTP_CONN_ID, free_port
+
+    from dflash_regen import notify
+
+    cfg = RunConfig.from_params(run_params(), "r1")
+    assert tasks._notifiers(cfg.notify, notify.Message("t", ())) == []  # the defaults: no email, no URL, no connection
+    closed = free_port()  # nothing listens there
+    down = RunConfig.from_params(run_params(notify_email_to="ops@example.test", notify_smtp_conn_id=SMTP_CONN_ID,
+                                            notify_apprise_urls=[f"json://127.0.0.1:{closed}/x"]), "r1")
+    conn = {"conn_type": "smtp", "host": "127.0.0.1", "port": closed, "extra": {"from_email": "a@example.test",
+                                                                                 "disable_ssl": True, "retry_limit": 0}}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(f"AIRFLOW_CONN_{SMTP_CONN_ID.upper()}", json.dumps(conn))
+        tasks._send(down, notify.Message("Run r1: gate health_check failed: x", ()))
+    assert "email via dflash_test_smtp: 'Run r1: gate health_check failed: x' not sent: ConnectionRefusedError" \
+        in caplog.text
+    assert "A Connection error occurred sending JSON notification to 127.0.0.1" in caplog.text  # Apprise's warning
+
+
+def test_the_api_key_never_reaches_a_receiver(run_params, receivers):
+    from dflash_regen import notify
+
+    cfg = RunConfig.from_params(run_params(**receivers.params()), "r1")
+    cfg.fleet_dir.mkdir(parents=True)
+    cfg.layout.fleet.api_key.write_text("sk-run-key-0123")
+    tasks._send(cfg, notify.Message("Run r1: gate smoke_test failed: --api-key=sk-run-key-0123 refused", ("l",)))
+    assert receivers.posts() == ["Run r1: gate smoke_test failed: --api-key=*** refused\nl"]
+    assert receivers.emails() == [f"Subject: {receivers.posts()[0].splitlines()[0]}\n{receivers.posts()[0]}"]
+
+
+def test_an_apprise_connection_is_a_receiver_too(run_params, receivers, monkeypatch):
+    from dflash_regen import notify
+
+    url = receivers.params()["notify_apprise_urls"][0]
+    monkeypatch.setenv("AIRFLOW_CONN_APPRISE_DEFAULT",
+                       json.dumps({"conn_type": "apprise", "extra": {"config": [{"path": url}]}}))
+    tasks._send(RunConfig.from_params(run_params(), "r1"), notify.Message("Run r1 published 9 samples", ("l",)))
+    assert receivers.posts() == ["Run r1 published 9 samples\nl"] and receivers.emails() == []

@@ -113,8 +113,9 @@ def deployment(environ: Mapping[str, str] | None = None) -> Deployment:
             found[f.name] = text
     retries = found.get("generate_retries", 0)
     if not 0 <= retries <= GENERATE_RETRIES_MAX:
-        raise ConfigError(f"environment variable DFLASH_GENERATE_RETRIES = {retries} is outside 0..{GENERATE_RETRIES_MAX}"
-                          f" (the most retries the DAG gives a shard); give a number in that range")
+        raise ConfigError(f"environment variable DFLASH_GENERATE_RETRIES = {retries} is outside "
+                          f"0..{GENERATE_RETRIES_MAX} (the most retries the DAG gives a shard); give a number in that "
+                          "range")
     return Deployment(**found)
 
 

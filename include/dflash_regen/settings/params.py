@@ -86,6 +86,7 @@ class Spec:
 
 FLEET, GATES, PROMPTS, SAMPLING, DISPATCH, QUALITY, OUTPUT, EMULATOR_SECTION = (
     "Fleet", "Fleet gates", "Prompts", "Sampling", "Dispatch", "Quality gate", "Output", "Emulator (demo and tests)")
+NOTIFY = "Notifications"
 DEMO = Deployment()  # the defaults without a deployment environment; `defaults()` applies the deployment's
 
 # In the trigger form's order (sections appear in the order of their first Param).
@@ -317,6 +318,28 @@ SPECS: dict[str, Spec] = {
     "output_root": Spec(
         DEMO.output_root, "string", OUTPUT, title="Output root", pattern=r"^/", rule="must be an absolute path",
         description="Absolute path; runs go to <output root>/runs/<run id>/."),
+    "notify_email_to": Spec(
+        "", OPTIONAL_TEXT, NOTIFY, title="Email the run's news to",
+        pattern=r"^([^,\s@]+@[^,\s@]+(,[^,\s@]+@[^,\s@]+)*)?$",
+        rule="must be email addresses separated by commas (no spaces), or empty",
+        description=("Comma-separated addresses; sent through the SMTP connection below (Airflow's smtp type, its "
+                     "from_email extra the sender). Empty = no email. What is sent: docs/be-told-and-watch.md.")),
+    "notify_smtp_conn_id": Spec(
+        "smtp_default", "string", NOTIFY, title="SMTP connection", min_length=1,
+        description="The Airflow connection of the mail server (smtp type); not defined = no email."),
+    "notify_apprise_urls": Spec(
+        [], OPTIONAL_LIST, NOTIFY, title="Apprise URLs", items={"type": "string"},
+        rule='must be a list of Apprise URLs, e.g. ["slack://T000/B000/XXXX", "json://host:8000/hook"]',
+        description=("Slack, Teams, Discord, webhooks (json://, form://) and the rest, one Apprise URL per line. "
+                     "They show in the run's conf: keep tokens in the Apprise connection below instead.")),
+    "notify_apprise_conn_id": Spec(
+        "apprise_default", "string", NOTIFY, title="Apprise connection", min_length=1,
+        description=("The Airflow connection (apprise type) whose config lists the URLs to notify too; not defined "
+                     "= only the URLs above.")),
+    "notify_progress_h": Spec(
+        0.0, "number", NOTIFY, title="Progress message every N hours", minimum=0, maximum=1000,
+        description=("Prompts done and the ETA (the Fleet page's), at most once per N hours of the run, sent when a "
+                     "shard ends; 0 = none.")),
     "emulator_faults": Spec(
         {}, OPTIONAL_OBJECT, EMULATOR_SECTION, title="Emulator faults",
         description=("Only with the emulator: faults per GPU id ('*' = every server), e.g. "

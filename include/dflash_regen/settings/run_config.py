@@ -211,6 +211,21 @@ class QualitySettings:
 
 
 @dataclass(frozen=True)
+class NotifySettings:
+    """Where the run's messages go (dflash_regen.notify, sent by tasks.py); each field is the Param of its name."""
+
+    notify_email_to: str
+    notify_smtp_conn_id: str
+    notify_apprise_urls: list[str]
+    notify_apprise_conn_id: str
+    notify_progress_h: float
+
+    @classmethod
+    def from_params(cls, params: Mapping[str, Any]) -> NotifySettings:
+        return cls(**{f.name: checked(params, f.name) for f in fields(cls)})
+
+
+@dataclass(frozen=True)
 class CapacitySettings:
     calibration_prompts: int  # 0 = no calibration
     apply_advised_concurrency: bool  # generate keeps the planner's in-flight count instead of in_flight
@@ -245,6 +260,7 @@ class RunConfig:
     autotune: AutotuneSettings
     budget: str  # full | train_length: max_tokens per request = train_max_length - its prompt tokens
     reuse: str  # same_settings | off: take completions from the store (generate/store.py)
+    notify: NotifySettings
 
     @property
     def layout(self) -> RunLayout:
@@ -402,4 +418,4 @@ class RunConfig:
                    staging_dir=staging_dir, fleet=fleet, sampling=sampling, prompt_source=prompt_source,
                    plan=plan, generation=generation, quality=quality, capacity=capacity,
                    mask_reasoning=get("mask_reasoning"), dataset_name=get("dataset_name"), node=node,
-                   autotune=autotune, budget=budget, reuse=get("reuse"))
+                   autotune=autotune, budget=budget, reuse=get("reuse"), notify=NotifySettings.from_params(params))
