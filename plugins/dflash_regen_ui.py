@@ -9,6 +9,9 @@ a run naming any other root is refused, so a conf cannot open arbitrary paths to
 Run and task states come from Airflow's metadata DB, read-only, through the api-server's own session: the run
 folder cannot tell a run the operator marked failed, a task killed before it wrote anything, or Airflow's run
 id and dates; the DB can, at the cost of two small indexed queries per page view.
+
+The pipeline's progress in Prometheus' format (`dflash_regen.ui.metrics`) is a second app at /dflash-metrics: it
+answers only the bearer token DFLASH_METRICS_TOKEN, as Prometheus cannot keep an Airflow login.
 """
 
 import json
@@ -27,6 +30,8 @@ from sqlalchemy import func, select
 
 from dflash_regen.settings.deployment import deployment
 from dflash_regen.ui.app import build_app
+from dflash_regen.ui.metrics import URL_PREFIX as METRICS_PREFIX
+from dflash_regen.ui.metrics import build_metrics_app
 
 PREFIX = "/dflash"
 DAG_ID = "dflash_regen"
@@ -120,7 +125,10 @@ class DflashRegenUI(AirflowPlugin):
     may_drain = requires_access_dag("PUT", DagAccessEntity.RUN, param_dag_id=DAG_ID)
     fastapi_apps = [{"app": build_app(deployment().report_roots(), get_user, AirflowRuns(), may_drain),
                      "url_prefix": PREFIX,
-                     "name": "dflash-regen reports"}]
+                     "name": "dflash-regen reports"},
+                    # its own app: Prometheus sends DFLASH_METRICS_TOKEN, not an Airflow login (ui/metrics.py)
+                    {"app": build_metrics_app(deployment().report_roots(), deployment().metrics_token, AirflowRuns()),
+                     "url_prefix": METRICS_PREFIX, "name": "dflash-regen metrics"}]
     # With url_route the UI shows the page inside Airflow (an iframe); {RUN_ID} is filled in on run pages.
     external_views = [
         {"name": "dflash-regen runs", "href": f"{PREFIX}/", "destination": "nav", "category": "browse",

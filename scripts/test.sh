@@ -5,6 +5,7 @@ source "$(dirname "$0")/env.sh"
 "$ROOT/scripts/setup.sh"
 "$ROOT/scripts/install-chromium.sh"
 "$ROOT/scripts/install-redis.sh"
+"$ROOT/scripts/install-prometheus.sh"
 cd "$ROOT"
 ruff check .
 mypy  # include/, dags/ and plugins/ ([tool.mypy] in pyproject.toml)

@@ -8,6 +8,9 @@ and a judge process imports its `ServerArgs.add_cli_args`, `protocol.py` models,
 - the emulator, in that version's mode and launched by the pipeline's launcher, must answer with bodies
   that validate against that version's models and carry no field they lack;
 - SGLang's parsers, run on the emulator's raw generated text, must give what the emulator returned;
+- every series the emulator's /metrics sends in that version's mode, and every metric, label matcher, grouping
+  and template variable of the monitoring profile's Grafana dashboards, must be defined so by that version's own
+  metrics collector;
 - raw-output fidelity: what those parsers make of a raw output, re-rendered by the chat template as the trainer
   renders it, is the raw output when written in the template's form (the emulator's every demo answer too), and
   the measured drifts are not (the tokenize stage marks those it can count);
@@ -17,15 +20,18 @@ and a judge process imports its `ServerArgs.add_cli_args`, `protocol.py` models,
 
 from __future__ import annotations
 
+import ast
 import json
+import re
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import requests
 from conftest import FAST_PROFILE, free_port_block
-from wheels import VERSIONS, Judge
+from wheels import VERSIONS, Judge, unpacked_wheel
 
 from dflash_regen.fleet import servers as fleet_servers
 from dflash_regen.fleet.smoke import PROMPTS
@@ -222,6 +228,88 @@ def test_health_check_names_the_mamba_binding_although_the_top_level_is_null(ver
     assert health.allocation["mamba_slots"] == 80 and health.allocation["running_slots"] == 16
     assert health.binding == "Mamba slots (80 // 5 = 16)"
     assert "--max-mamba-cache-size 160 --max-running-requests 32" in health.advice
+
+
+# ------------------------------------------------------------------------------------------ metrics
+DASHBOARDS = Path(__file__).resolve().parents[2] / "deploy" / "monitoring" / "grafana" / "dashboards"
+BASE_LABELS = {"model_name", "engine_type", "tp_rank", "pp_rank", "moe_ep_rank"}  # SGLang's `labels` dicts here
+TARGET_LABELS = {"instance", "job"}  # the labels Prometheus adds to every scraped series
+SAMPLE = re.compile(r"^(sglang:[A-Za-z0-9_]+)(?:\{(.*)\})? \S+$", re.M)
+
+
+def sglang_metric_families(version: str) -> dict[str, list[tuple[str, set[str]]]]:
+    """Every `Gauge`/`Counter`/`Histogram` SGLang `version`'s own metrics collector defines: name -> [(type,
+    label names beyond its collector's `labels`)], read from the source (the collector imports the GPU stack)."""
+    source = unpacked_wheel(version) / "sglang" / "srt" / "observability" / "metrics_collector.py"
+    out: dict[str, list[tuple[str, set[str]]]] = {}
+    for node in ast.walk(ast.parse(source.read_text())):
+        kind = getattr(getattr(node, "func", None), "id", None) or getattr(getattr(node, "func", None), "attr", None)
+        if not isinstance(node, ast.Call) or kind not in ("Gauge", "Counter", "Histogram"):
+            continue
+        kw = {k.arg: k.value for k in node.keywords}
+        if isinstance(kw.get("name"), ast.Constant):
+            extras = {n.value for n in ast.walk(kw["labelnames"]) if isinstance(n, ast.Constant)} \
+                if "labelnames" in kw else set()
+            out.setdefault(kw["name"].value, []).append((kind.lower(), extras))
+    return out
+
+
+def exported_families(text: str) -> dict[str, tuple[str, set[str], set[str]]]:
+    """/metrics text -> name -> (TYPE, label names beyond the base ones, every label name), histogram series
+    under their family."""
+    types = dict(re.findall(r"^# TYPE (\S+) (\S+)$", text, re.M))
+    out: dict[str, tuple[str, set[str], set[str]]] = {}
+    for name, labels in SAMPLE.findall(text):
+        family = re.sub(r"_(bucket|sum|count)$", "", name) if name not in types else name
+        names = set(re.findall(r'(\w+)="', labels)) - {"le"}
+        kind, extras, seen = out.get(family, (types[family], set(), set()))
+        out[family] = (kind, extras | (names - BASE_LABELS), seen | names)
+    return out
+
+
+def dashboard_queries() -> list[tuple[str, str, str]]:
+    """(dashboard file, panel title, PromQL) of every panel target the monitoring profile provisions, and
+    (file, "variable NAME", its label_values() query) of every template variable."""
+    out = []
+    for path in sorted(DASHBOARDS.rglob("*.json")):
+        dashboard = json.loads(path.read_text())
+        out += [(path.name, panel["title"], target["expr"])
+                for panel in dashboard["panels"] for target in panel.get("targets", [])]
+        out += [(path.name, f"variable {v['name']}", v["definition"]) for v in dashboard["templating"]["list"]]
+    return out
+
+
+def test_the_emulators_metrics_are_this_versions_names_and_labels(version, emulated):
+    emulated.post({"model": "m", "messages": PROMPTS["coding"]["messages"], "max_tokens": 64})
+    families = sglang_metric_families(version)
+    exported = exported_families(requests.get(emulated.url + "/metrics", timeout=30).text)
+    for name, (kind, extras, _) in exported.items():
+        assert name in families, f"SGLang {version} has no metric {name}"
+        assert (kind, extras) in families[name], f"SGLang {version} defines {name} as {families[name]}, the " \
+                                                 f"emulator sends a {kind} with labels {extras} beyond the base"
+    # the is_streaming split and the startup metric's rename at 0.5.18 (emulator/versions.py)
+    assert ("sglang:engine_startup_time" in exported) == ("sglang:engine_startup_time" in families)
+    assert ("sglang:startup_time_seconds" in exported) == ("sglang:startup_time_seconds" in families)
+
+
+def test_every_dashboard_query_names_metrics_and_labels_this_version_exports(version, emulated):
+    families = sglang_metric_families(version)
+    exported = exported_families(requests.get(emulated.url + "/metrics", timeout=30).text)
+    queries = dashboard_queries()
+    assert {file for file, _, _ in queries} == {"fleet.json", "pipeline.json"}
+    assert {"variable instance", "variable model_name"} <= {title for file, title, _ in queries if file == "fleet.json"}
+    for file, title, expr in queries:
+        labels = set(TARGET_LABELS)  # every label the query's SGLang series carry
+        for name, matchers in re.findall(r"(sglang:[A-Za-z0-9_]+)(?:\{([^}]*)\})?", expr):
+            family = re.sub(r"_(bucket|sum|count)$", "", name) if name not in families else name
+            assert family in families, f"{file} '{title}': SGLang {version} has no metric {name}"
+            assert family in exported, f"{file} '{title}': the emulator in {version}'s mode does not export {name}"
+            for label in set(re.findall(r"(\w+)\s*[=!]~?", matchers)) - TARGET_LABELS:
+                assert label in exported[family][2], f"{file} '{title}': {name} has no label {label}"
+            labels |= exported[family][2] | ({"le"} if name.endswith("_bucket") else set())
+        for grouping in re.findall(r"\bby\s*\(([^)]*)\)", expr) if "sglang:" in expr else []:  # sum by (le)
+            for label in filter(None, re.split(r"\s*,\s*", grouping.strip())):
+                assert label in labels, f"{file} '{title}': groups by {label}, which its series do not carry"
 
 
 # ------------------------------------------------------------------------------------------ parsers

@@ -5,6 +5,7 @@ docs/operations.md.
 structural checks below hold everywhere (no Docker engine needed) and fail if the file regresses.
 """
 
+import json
 import re
 import shutil
 import subprocess
@@ -17,12 +18,13 @@ ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "docker-compose.yaml"
 ENV_EXAMPLE = ROOT / ".env.example"
 DOCKERFILE = ROOT / "deploy" / "Dockerfile"
+MONITORING = ROOT / "deploy" / "monitoring"
 
 AIRFLOW_SERVICES = {"airflow-init", "airflow-apiserver", "airflow-scheduler", "airflow-dag-processor",
                     "airflow-triggerer", "airflow-worker", "airflow-gpu-worker"}
 LONG_RUNNING = (AIRFLOW_SERVICES - {"airflow-init"}) | {"postgres", "redis"}
 SECRETS = {"POSTGRES_PASSWORD", "AIRFLOW_FERNET_KEY", "AIRFLOW_JWT_SECRET", "AIRFLOW_API_SECRET_KEY",
-           "AIRFLOW_ADMIN_PASSWORD", "DFLASH_SGLANG_API_KEY"}
+           "AIRFLOW_ADMIN_PASSWORD", "DFLASH_SGLANG_API_KEY", "DFLASH_METRICS_TOKEN"}
 SECRET_NAME = re.compile(r"(PASSWORD|SECRET|_KEY|TOKEN)$")  # names of values that are secrets
 # ${VAR}, ${VAR:-default}, ${VAR-default}, ${VAR:?message}, ${VAR?message}; "$$" is a literal "$".
 REF = re.compile(r"(?<!\$)\$\{(?P<name>[A-Za-z_][A-Za-z0-9_]*)(?:(?P<op>:?[-?])(?P<arg>[^}]*))?\}")
@@ -212,6 +214,151 @@ def test_sglang_ports_are_not_published(services):
     assert "ports" not in services["airflow-gpu-worker"]
     published = [p for s in services.values() for p in s.get("ports", [])]
     assert not any(re.search(r":300\d\d(/tcp)?$", str(p)) for p in published), published
+
+
+# ------------------------------------------------------------------------------------------ monitoring profile
+def container_file(service: dict, path: str) -> Path:
+    """The repository file (or folder) a service's bind mount shows at container path `path`."""
+    for target, (source, _) in mounts(service).items():
+        if path == target or path.startswith(target + "/"):
+            assert source.startswith("./"), f"{target} is not a repository file: {source}"
+            return ROOT / source / path[len(target):].lstrip("/")
+    raise AssertionError(f"nothing is mounted at {path}")
+
+
+def test_prometheus_scrapes_every_server_on_the_gpu_workers_loopback(services):
+    from dflash_regen.settings.deployment import Deployment
+    from dflash_regen.settings.params import defaults
+
+    prometheus = services["prometheus"]
+    assert prometheus["profiles"] == ["monitoring"] and "ports" not in prometheus
+    assert prometheus["network_mode"] == "service:airflow-gpu-worker"  # the servers' loopback is its own
+    script = "\n".join(prometheus["entrypoint"])
+    config_path = re.search(r"--config\.file=(\S+)", script)[1]
+    config = yaml.safe_load(container_file(prometheus, config_path).read_text())
+    jobs = {job["job_name"]: job for job in config["scrape_configs"]}
+    targets = [t for c in jobs["sglang"]["static_configs"] for t in c["targets"]]
+    base, servers = Deployment().base_port, defaults()["num_servers"]  # a node's 7 GPUs, one server each
+    assert targets == [f"127.0.0.1:{base + i}" for i in range(servers)]
+    assert mounts(prometheus)["/prometheus"][0] in {"prometheus-data"}  # the series outlive a restart
+
+
+def test_prometheus_reads_the_pipelines_metrics_with_the_api_servers_token(raw, services):
+    from dflash_regen.ui.metrics import URL_PREFIX
+
+    prometheus = services["prometheus"]
+    script = "\n".join(prometheus["entrypoint"])
+    config = yaml.safe_load(container_file(prometheus, re.search(r"--config\.file=(\S+)", script)[1]).read_text())
+    job = next(j for j in config["scrape_configs"] if j["job_name"] == "dflash-regen")
+    assert job["metrics_path"] == URL_PREFIX + "/metrics"
+    host, port = job["static_configs"][0]["targets"][0].split(":")
+    assert host == "airflow-apiserver" and services[host]["command"] == "api-server"
+    assert services[host]["ports"][0].endswith(f":{port}")
+    token_file = job["authorization"]["credentials_file"]
+    assert f'printf \'%s\' "$DFLASH_METRICS_TOKEN" > {token_file}' in script
+    for name in ("prometheus", "airflow-apiserver"):
+        assert environment(raw["services"][name])["DFLASH_METRICS_TOKEN"].startswith("${DFLASH_METRICS_TOKEN:?")
+
+
+def test_grafana_is_provisioned_with_prometheus_and_the_dashboards(services):
+    grafana, prometheus = services["grafana"], services["prometheus"]
+    assert grafana["profiles"] == ["monitoring"] and grafana["ports"] == ["127.0.0.1:3000:3000"]
+    sources = yaml.safe_load(container_file(grafana, "/etc/grafana/provisioning/datasources/prometheus.yaml")
+                             .read_text())["datasources"]
+    assert len(sources) == 1 and sources[0]["type"] == "prometheus" and sources[0]["isDefault"]
+    listen = re.search(r"--web\.listen-address=\S*:(\d+)", "\n".join(prometheus["entrypoint"]))[1]
+    worker = prometheus["network_mode"].removeprefix("service:")
+    assert sources[0]["url"] == f"http://{worker}:{listen}"  # Prometheus answers at the worker's name
+    providers = yaml.safe_load(container_file(grafana, "/etc/grafana/provisioning/dashboards/dashboards.yaml")
+                               .read_text())["providers"]
+    folder = container_file(grafana, next(p for p in providers if p["name"] == "dflash-regen")["options"]["path"])
+    dashboards = {p.relative_to(folder).as_posix(): json.loads(p.read_text()) for p in folder.rglob("*.json")}
+    assert set(dashboards) == {"sglang/fleet.json", "dflash-regen/pipeline.json"}
+    assert len({d["uid"] for d in dashboards.values()}) == 2
+    for name, dashboard in dashboards.items():
+        for panel in dashboard["panels"]:
+            for target in panel["targets"]:
+                assert target["datasource"]["uid"] == sources[0]["uid"], (name, panel["title"])
+    home = environment(grafana)["GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH"]
+    assert container_file(grafana, home) == folder / "dflash-regen" / "pipeline.json"
+
+
+SGLANG_DASHBOARD = re.compile(r"https://raw\.githubusercontent\.com/sgl-project/sglang/[0-9a-f]{40}/"
+                              r"examples/monitoring/grafana/dashboards/json/sglang-dashboard\.json")
+
+
+def test_sglangs_own_dashboard_is_downloaded_pinned_into_a_folder_grafana_provisions(services):
+    grafana, download = services["grafana"], services["grafana-dashboards"]
+    assert download["profiles"] == ["monitoring"] and "restart" not in download  # one-shot
+    env = environment(download)
+    assert SGLANG_DASHBOARD.fullmatch(env["SGLANG_DASHBOARD_URL"])  # a commit, not a branch
+    assert re.fullmatch(r"[0-9a-f]{64}", env["SGLANG_DASHBOARD_SHA256"])
+    shell, script, dest = download["entrypoint"]
+    assert shell == "sh" and container_file(download, script) == MONITORING / "download-sglang-dashboard.sh"
+    volume = mounts(download)[dest][0]
+    assert volume in {"grafana-sglang-dashboard"} and mounts(download)[dest][1] == "rw"
+    served = {target for target, (source, mode) in mounts(grafana).items() if source == volume and mode == "ro"}
+    providers = yaml.safe_load(container_file(grafana, "/etc/grafana/provisioning/dashboards/dashboards.yaml")
+                               .read_text())["providers"]
+    assert served and served <= {p["options"]["path"] for p in providers}
+    assert "grafana-dashboards" not in grafana.get("depends_on", {})  # the provider rescans: Grafana never waits
+    # SGLang's file itself is never part of this repository
+    tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    assert "sglang-dashboard.json" not in tracked
+
+
+def run_download(dest: Path, url: str, sha256: str) -> subprocess.CompletedProcess:
+    assert shutil.which("wget"), "the download script needs wget (scripts/install-prometheus.sh installs it)"
+    return subprocess.run(["sh", str(MONITORING / "download-sglang-dashboard.sh"), str(dest)], check=False,
+                          capture_output=True, text=True, timeout=120,
+                          env={"PATH": "/usr/bin:/bin", "SGLANG_DASHBOARD_URL": url, "SGLANG_DASHBOARD_SHA256": sha256})
+
+
+def test_the_download_installs_only_the_pinned_bytes(tmp_path):
+    """The script against a real HTTP server on loopback: the file with the pinned sha256 is installed (and not
+    downloaded again), other bytes or no answer install nothing."""
+    import hashlib
+    import http.server
+    import threading
+
+    from conftest import free_port_block
+
+    served, requests_seen = tmp_path / "served", []
+    served.mkdir()
+    body = json.dumps({"title": "a dashboard", "panels": []}).encode()
+    (served / "dashboard.json").write_bytes(body)
+    (served / "tampered.json").write_bytes(body + b" ")
+
+    class Handler(http.server.SimpleHTTPRequestHandler):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, directory=str(served), **kwargs)
+
+        def log_message(self, *args):
+            requests_seen.append(self.path)
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", free_port_block(1)), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    base, sha256 = f"http://127.0.0.1:{server.server_port}", hashlib.sha256(body).hexdigest()
+    dest = tmp_path / "volume"
+    dest.mkdir()
+    try:
+        refused = run_download(dest, f"{base}/tampered.json", sha256)
+        assert refused.returncode == 1 and f"not the pinned {sha256}" in refused.stderr
+        assert list(dest.iterdir()) == []  # nothing installed, no partial file left
+        installed = run_download(dest, f"{base}/dashboard.json", sha256)
+        assert installed.returncode == 0, installed.stderr
+        assert [p.name for p in dest.iterdir()] == ["sglang-dashboard.json"]
+        assert (dest / "sglang-dashboard.json").read_bytes() == body
+        seen = len(requests_seen)
+        assert run_download(dest, f"{base}/dashboard.json", sha256).returncode == 0
+        assert len(requests_seen) == seen  # in place: not downloaded again
+    finally:
+        server.shutdown()
+        server.server_close()
+    (dest / "sglang-dashboard.json").unlink()
+    unreachable = run_download(dest, f"{base}/dashboard.json", sha256)  # the server is gone
+    assert unreachable.returncode == 1 and "could not download" in unreachable.stderr
+    assert list(dest.iterdir()) == []
 
 
 # ------------------------------------------------------------------------------------------ api-server, health

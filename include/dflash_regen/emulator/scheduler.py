@@ -30,6 +30,27 @@ DECODE_LOG_EVERY_S = 2.0  # at --decode-log-interval 40; scales with it
 # Without knowing the output length, admission reserves part of max_new_tokens (SGLang's new_token_ratio).
 ADMISSION_NEW_TOKEN_RATIO = 0.3
 ADMISSION_MAX_RESERVE = 4096
+# SGLang's default histogram buckets (srt/observability/metrics_collector.py, the same from 0.5.10 to 0.5.23).
+TTFT_BUCKETS = (0.1, 0.2, 0.4, 0.6, 0.8, 1, 2, 4, 6, 8, 10, 20, 40, 60, 80, 100, 200, 400)
+E2E_BUCKETS = TTFT_BUCKETS + (600, 1200, 1800, 2400)
+
+
+@dataclass
+class Histogram:
+    """A Prometheus histogram's state: cumulative count per upper bound (+Inf last), sum and count."""
+
+    bounds: tuple[float, ...]
+    cumulative: list[int] = field(default_factory=list)
+    sum: float = 0.0
+    count: int = 0
+
+    def observe(self, value: float) -> None:
+        if not self.cumulative:
+            self.cumulative = [0] * (len(self.bounds) + 1)
+        for i, bound in enumerate((*self.bounds, float("inf"))):
+            self.cumulative[i] += value <= bound
+        self.sum += value
+        self.count += 1
 
 
 class QueueFull(Exception):
@@ -126,7 +147,11 @@ class Scheduler:
         self.streamed_prompt_tokens_total = 0  # the streaming requests' share of the two counters
         self.streamed_generation_tokens_total = 0
         self.num_requests_total = 0
+        self.streamed_num_requests_total = 0
         self.num_aborted_requests_total = 0
+        # finished requests' time to first token and end-to-end latency, by streaming (True) or not (False)
+        self.ttft = {streaming: Histogram(TTFT_BUCKETS) for streaming in (True, False)}
+        self.e2e = {streaming: Histogram(E2E_BUCKETS) for streaming in (True, False)}
         self._rng = random.Random(seed)
         self._wake = asyncio.Event()
         self._tokens_since_log = 0
@@ -286,6 +311,9 @@ class Scheduler:
                 self.running.remove(req)
             if req.counted:
                 self.num_requests_total += 1
+                self.streamed_num_requests_total += req.streaming
+                self.ttft[req.streaming].observe((req.first_token_at or now) - req.queued_at)
+                self.e2e[req.streaming].observe(now - req.queued_at)
         req.changed.set()
 
     def _draw_step(self) -> int:

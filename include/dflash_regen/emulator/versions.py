@@ -60,7 +60,8 @@ class Forms:
         return self.at_least("0.5.18")
 
     @property
-    def is_streaming_label(self) -> bool:  # prompt/generation token counters split by is_streaming
+    def is_streaming_label(self) -> bool:  # token/request counters, latency histograms split by is_streaming;
+        # engine_startup_time and engine_load_weights_time become startup_time_seconds{phase} (emulator/metrics.py)
         return self.at_least("0.5.18")
 
     @property

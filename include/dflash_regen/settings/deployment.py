@@ -44,6 +44,8 @@ class Deployment:
     Read by the report pages (the api-server):
       DFLASH_SERVED_ROOTS      more output roots whose runs the pages show, ':'-separated ('' = only output_root);
                                a run whose conf names another root is refused, so a conf cannot open any path
+      DFLASH_METRICS_TOKEN     the bearer token Prometheus sends for the pipeline's /metrics ('' = not exported;
+                               ui/metrics.py)
     """
 
     model_source_dir: str = DEMO_MODEL
@@ -59,6 +61,7 @@ class Deployment:
     worker_queue: str = ""
     nodes: str = ""  # parsed by settings/nodes.py parse_nodes, which owns the format
     served_roots: str = ""
+    metrics_token: str = field(default="", repr=False)  # a secret: never in a log line
 
     def report_roots(self) -> list[Path]:
         """The output roots the report pages may read: the default one first, then DFLASH_SERVED_ROOTS."""
@@ -84,7 +87,7 @@ _ENV = {"model_source_dir": "DFLASH_MODEL_SOURCE", "staging_dir": "DFLASH_STAGIN
         "emulator_profile": "DFLASH_EMULATOR_PROFILE", "shard_size": "DFLASH_SHARD_SIZE",
         "parallel_shards": "DFLASH_PARALLEL_SHARDS",
         "generate_retries": "DFLASH_GENERATE_RETRIES", "worker_queue": "DFLASH_WORKER_QUEUE", "nodes": NODES_ENV,
-        "served_roots": "DFLASH_SERVED_ROOTS"}
+        "served_roots": "DFLASH_SERVED_ROOTS", "metrics_token": "DFLASH_METRICS_TOKEN"}
 
 
 # The generate task's retries in the DAG: Airflow fixes them when it parses the DAG, so the DAG asks for the most

@@ -10,7 +10,8 @@ ENV = {"DFLASH_MODEL_SOURCE": "/models/Qwen3.6-27B", "DFLASH_STAGING_DIR": "/dev
        "/opt/sglang-venv/bin/python -m sglang.launch_server", "DFLASH_BASE_PORT": "31000", "DFLASH_PROMPT_SOURCE":
        "/data/prompts", "DFLASH_OUTPUT_ROOT": "/data/out", "DFLASH_EMULATOR_PROFILE": '{"decode_tokens_per_s": 3000}',
        "DFLASH_PARALLEL_SHARDS": "14", "DFLASH_GENERATE_RETRIES": "0", "DFLASH_WORKER_QUEUE": "gpu-node-1",
-       "DFLASH_NODES": '[{"name": "a"}]', "DFLASH_SERVED_ROOTS": "/data/old:/data/out/"}
+       "DFLASH_NODES": '[{"name": "a"}]', "DFLASH_SERVED_ROOTS": "/data/old:/data/out/",
+       "DFLASH_METRICS_TOKEN": "prometheus-token"}
 
 
 def test_every_variable_reaches_its_setting():
@@ -19,7 +20,8 @@ def test_every_variable_reaches_its_setting():
         server_command="/opt/sglang-venv/bin/python -m sglang.launch_server", base_port=31000,
         prompt_source="/data/prompts", output_root="/data/out", emulator_profile={"decode_tokens_per_s": 3000},
         parallel_shards=14, generate_retries=0, worker_queue="gpu-node-1", nodes='[{"name": "a"}]',
-        served_roots="/data/old:/data/out/")
+        served_roots="/data/old:/data/out/", metrics_token="prometheus-token")
+    assert "prometheus-token" not in repr(deployment(ENV))
 
 
 def test_unset_or_empty_variables_run_the_demo():
