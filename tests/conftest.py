@@ -220,6 +220,9 @@ def pytest_collection_modifyitems(items):
     items.sort(key=_slowness)  # stable: within a file, tests keep their order
 
 
+LIVE_METRICS_TOKEN = "live-metrics-token"  # the live api-server's DFLASH_METRICS_TOKEN (tests/live/)
+
+
 @pytest.fixture(scope="session")
 def live_airflow(tmp_path_factory, airflow_db_template):
     """One real Airflow for every test that asks (tests/live_airflow.py); runs are kept apart by run id and
@@ -233,6 +236,7 @@ def live_airflow(tmp_path_factory, airflow_db_template):
         "DFLASH_BASE_PORT": str(free_port_block(7)),
         "DFLASH_EMULATOR_PROFILE": json.dumps(LIVE_PROFILE),
         "DFLASH_GENERATE_RETRIES": "0",
+        "DFLASH_METRICS_TOKEN": LIVE_METRICS_TOKEN,
     })
     try:
         af.start(db=airflow_db_template)
