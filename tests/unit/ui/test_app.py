@@ -353,18 +353,21 @@ def test_fleet_page_shows_the_autotune_table_and_the_train_length_budget(client,
 
 
 def test_a_run_without_a_folder_is_a_row_and_its_tabs_show_airflows_state(root):
+    WHY = "ConfigError: Param model_source_dir: /nowhere does not exist; give the model directory"
     """A queued run and one that failed at stage_weights have no run folder: the list must not break (it once
     answered Internal Server Error) and the tabs show the state and the failed task instead of a bare 404."""
 
     class TwoMore(Airflow):
         def runs(self):
             return [{"run_id": "manual__queued", "state": "queued", "start": None, "end": None},
-                    {"run_id": "manual__early", "state": "failed", "start": 900.0, "end": 910.0}] + super().runs()
+                    {"run_id": "manual__early", "state": "failed", "start": 900.0, "end": 910.0,
+                     "failed_at": "stage_weights", "error": WHY}] + super().runs()
 
         def run(self, run_id):
             if run_id == "manual__early":
                 return {"run_id": run_id, "state": "failed", "start": 900.0, "end": 910.0, "tasks": [
-                    {"task_id": "stage_weights", "map_index": -1, "state": "failed", "try_number": 1},
+                    {"task_id": "stage_weights", "map_index": -1, "state": "failed", "try_number": 1,
+                     "error": WHY},  # the plugin reads it from the task's log
                     {"task_id": "publish", "map_index": -1, "state": "upstream_failed", "try_number": 0}]}
             if run_id == "manual__queued":
                 return {"run_id": run_id, "state": "queued", "start": None, "end": None, "tasks": []}
@@ -375,11 +378,13 @@ def test_a_run_without_a_folder_is_a_row_and_its_tabs_show_airflows_state(root):
     assert index.status_code == 200
     rows = index.text.split('id="runs"', 1)[1].split("</table>", 1)[0]
     assert ">manual__queued</a>" in rows and "(queued)" in rows and ">manual__early</a>" in rows
+    assert f"failed at <b>stage_weights</b>: {WHY}" in rows
     for page in ("quality", "fleet"):
         early = client.get(f"/runs/manual__early/{page}")
         assert early.status_code == 200 and early.headers["content-type"].startswith("text/html"), page
         assert 'class="badge fail">run failed' in early.text and "<b>stage_weights</b> failed" in early.text
         assert "failed at <b>stage_weights</b> before writing one" in early.text
+        assert f"<b>stage_weights</b> failed: {WHY}" in early.text, page
         queued = client.get(f"/runs/manual__queued/{page}")
         assert queued.status_code == 200 and "it is queued" in queued.text
     assert client.get("/runs/manual__unknown/quality").status_code == 404
