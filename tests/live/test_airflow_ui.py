@@ -9,20 +9,26 @@ from __future__ import annotations
 
 import json
 import re
+import threading
+import time
 from pathlib import Path
 from urllib.parse import quote, unquote
 
+import pyarrow.parquet as pq
 import pytest
 from conftest import ROOT
 from live_airflow import (
+    LIVE_PROFILE,
     LiveAirflow,
+    _running,
     completion_ids,
     kill_in_the_middle_of_shard,
     published_manifest,
     run_dir,
 )
 
-from dflash_regen.layout import RunLayout
+from dflash_regen.layout import COMPLETIONS, RunLayout
+from dflash_regen.settings.run_config import safe_run_id
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
@@ -302,6 +308,12 @@ def test_user_triggers_from_the_form_a_rest_client_and_the_user_each_clear_one_f
     marked = next(s for s in report["servers"] if s["server"] == server)
     assert marked["marked"] and marked["checked_at"] > marked["marked"][-1]["at"], marked
     assert len({a["server"] for a in next(s for s in report["shards"] if s["shard"] == 2)["history"]}) == 2
+    # ...and the page says so: the start shown is no later than the first shard attempt (the clears came after it),
+    # the server's death is listed with how it died.
+    shown = re.search(r"started (\S+ \S+) UTC", fleet.locator("#run-state").inner_text()).group(1)
+    assert shown <= time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(first_attempt)), (shown, first_attempt)
+    unhealthy = fleet.locator("#incidents li.server-unhealthy").all_inner_texts()
+    assert any("SIGKILL" in i for i in unhealthy), incidents
 
     # In the narrow side panel, then on its own through the page's full-page link.
     page.set_viewport_size(SIDE_PANEL)
@@ -330,3 +342,149 @@ def test_user_triggers_from_the_form_a_rest_client_and_the_user_each_clear_one_f
     page.close()
 
 
+
+
+# ------------------------------------------------------------------------- more runs: queued, early, roots, drain
+CHAT = '"POST /v1/chat/completions HTTP/1.1" 200'  # a chat request in a server's access log
+
+
+class FleetPoller:
+    """Reads a run's fleet.json every `every_s` in the background (what the Fleet page shows), keeping each
+    reading's progress: the ETA's series."""
+
+    def __init__(self, af: LiveAirflow, run_id: str, every_s: float = 2.0):
+        self.url = f"/dflash/runs/{quote(run_id, safe='')}/fleet.json"
+        self.af, self.every_s, self.series, self.stop = af, every_s, [], threading.Event()
+        self.thread = threading.Thread(target=self._poll, daemon=True)
+        self.thread.start()
+
+    def _poll(self):
+        while not self.stop.is_set():
+            r = self.af.api("GET", self.url, check=False)
+            if r.ok:
+                report = r.json()
+                p = report["progress"]
+                self.series.append({"at": time.time(), "done": p["done"], "left": p["left"], "eta_s": p["eta_s"],
+                                    "rate": p["rate_per_s"], "source": p["eta_source"],
+                                    "state": report["run_state"]["state"], "draining": bool(report["drain"])})
+            self.stop.wait(self.every_s)
+
+    def finish(self) -> list[dict]:
+        self.stop.set()
+        self.thread.join(30)
+        return self.series
+
+
+def test_queued_and_early_failed_runs_a_second_root_a_refused_root_and_a_drain_from_the_fleet_page(
+        live_airflow, browser, screenshots):
+    """Three more runs and one refused, short and overlapping (the DAG runs one at a time, max_active_runs=1):
+    - `drained`, on the second output root the api-server serves: the user drains it from its Fleet page while it
+      generates; its ETA is read all along;
+    - `early`, triggered meanwhile, is queued behind it, then fails at stage_weights (a model source that is not
+      there): both shown in the runs list and both tabs with Airflow's state and the first error line;
+    - `outside` names an output root the pages do not serve: listed as such, its pages answer 403; deleted while
+      queued (nothing of it ever runs)."""
+    af = live_airflow
+    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    page.on("dialog", lambda dialog: dialog.accept())  # the Drain button asks first
+    log_in(page, af)
+    drained, early, outside = "manual__ui_drained", "manual__ui_early", "manual__ui_outside"
+    # Two shards of 60 on two servers; no calibration or tuning (fewer requests and minutes); slow emulated decoding
+    # and few requests in flight, so the run is still generating while the browser looks at the others.
+    af.trigger(drained, {"output_root": str(af.second_root), "num_servers": 2, "shard_size": 60,
+                         "checkpoint_every": 2, "calibration_prompts": 0, "autotune": "off", "reuse": "off",
+                         "concurrency_per_server": 4,
+                         "emulator_profile": {**LIVE_PROFILE, "decode_tokens_per_s": 300}})
+    af.wait_run(drained, states={"running"})
+    poller = FleetPoller(af, drained)
+    missing = af.home.parent / "no-model-here"
+    af.trigger(early, {"model_source_dir": str(missing), "reuse": "off"})
+    af.trigger(outside, {"output_root": str(af.home.parent / "out-not-served")})
+    assert af.run_state(early) == af.run_state(outside) == "queued"
+
+    # The runs list: the running run on the second root, the queued run, the refused one.
+    page.goto(f"{af.url}/dflash/")
+    rows = {run: page.locator("#runs tr", has_text=run).inner_text() for run in (drained, early, outside)}
+    assert "running" in rows[drained] and "quality" in rows[drained] and "fleet" in rows[drained], rows
+    assert "queued" in rows[early] and "(queued)" in rows[early], rows
+    assert f"output root {af.home.parent / 'out-not-served'} is not served here" in rows[outside], rows
+    page.screenshot(path=screenshots / "12-runs-queued-refused.png", full_page=True)
+    for tab, name in (("dflash-fleet", "Fleet"), ("dflash-quality", "Data quality")):
+        frame = open_run_tab(page, af, early, tab, name)
+        frame.locator("#why").filter(has_text="it is queued").wait_for(timeout=30_000)
+        assert "run queued" in frame.locator("#run-state").inner_text()
+    page.screenshot(path=screenshots / "13-queued-run-fleet.png")
+    for path in ("fleet", "quality", "fleet.json", "quality.json", "data-docs/index.html"):
+        r = af.api("GET", f"/dflash/runs/{outside}/{path}", check=False)
+        assert r.status_code == 403 and "DFLASH_SERVED_ROOTS" in r.text, (path, r.status_code, r.text[:300])
+    af.api("DELETE", f"/api/v2/dags/dflash_regen/dagRuns/{outside}")
+
+    # The drain: from the Fleet page, once the run has checkpointed some answers and the ETA has been read a while.
+    deadline = time.monotonic() + 300
+    while not [s for s in poller.series if s["done"] >= 30] and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert af.run_state(drained) == "running", poller.series
+    fleet = open_run_tab(page, af, drained, "dflash-fleet", "Fleet")
+    fleet.get_by_role("button", name="Drain").click()
+    fleet.locator("#draining").filter(has_text="asked by admin").wait_for(timeout=30_000)
+    page.screenshot(path=screenshots / "14-draining.png")
+    states = af.wait_settled(drained, timeout_s=300)
+    assert af.run_state(drained) == "failed"
+    assert {states["generate[0]"], states["generate[1]"]} == {"skipped"}, states  # drained, not failed
+    assert states["stop_fleet"] == "success" and states["check_published"] == "failed", af.failures(drained)
+
+    # Every request the shards sent was answered and kept (none lost in flight), the servers are gone.
+    folder = RunLayout.of(af.second_root, safe_run_id(drained)).run_dir
+    layout = RunLayout(folder)
+    smoke = {s["server"]: len(s["results"]) for s in json.loads(layout.report("smoke").read_text())["servers"]}
+    kept: dict[str, int] = {}
+    for path in layout.result_files(COMPLETIONS):
+        for server in pq.read_table(path, columns=["server"]).column("server").to_pylist():
+            kept[server] = kept.get(server, 0) + 1
+    sent = {}
+    for spec in (json.loads(p.read_text()) for p in layout.fleet.server_specs()):
+        name = f"server {spec['index']} (GPU {spec['gpu']}, 127.0.0.1:{spec['port']})"
+        sent[name] = layout.fleet.server_log(spec["index"]).read_text().count(CHAT) - smoke[name]
+        assert not _running(spec["pid"]), f"{name} (pid {spec['pid']}) still runs after the drain"
+    assert sent == kept and 0 < sum(kept.values()) < 120, (sent, kept)
+
+    # The pages say who stopped it: the Fleet tab, the Data-quality tab (the verdict's first line), the runs list.
+    fleet = open_run_tab(page, af, drained, "dflash-fleet", "Fleet")
+    assert "Drained by admin" in fleet.locator("#draining").inner_text()
+    page.screenshot(path=screenshots / "15-drained-fleet.png")
+    quality = open_run_tab(page, af, drained, "dflash-quality", "Data quality")
+    assert "drained by admin" in quality.locator("#failures").inner_text()
+    page.goto(f"{af.url}/dflash/")
+    assert "drained by admin" in page.locator("#runs tr", has_text=drained).inner_text()
+
+    # The ETA, read every 2 s from the first checkpoint until the drain, against the run's final figure: the prompts
+    # left at each reading over the final rate the finished run shows (its answers over the time its fleet worked,
+    # pauses cut out). Not its wall-clock end: the drain cut the run short, and a rate is what an ETA extrapolates;
+    # both sides come from this run on this machine, so a busy box slows both alike.
+    final = af.api("GET", f"/dflash/runs/{drained}/fleet.json").json()["progress"]
+    series = poller.finish()
+    readings = [s for s in series if s["done"] and not s["draining"] and s["state"] == "running" and s["left"]]
+    ratios = [s["eta_s"] * final["rate_per_s"] / s["left"] for s in readings]
+    shown = "\n".join(f"{s['at'] - series[0]['at']:6.1f} s: done {s['done']}, left {s['left']}, eta "
+                      f"{s['eta_s']}, rate {s['rate']}, {s['source']}, {s['state']}" for s in series)
+    assert len(readings) >= 3, f"too few readings from the first checkpoint to the drain:\n{shown}"
+    assert all(0.5 <= r <= 2 for r in ratios), \
+        f"ETA / (left / final rate {final['rate_per_s']:.3f}/s): {[round(r, 2) for r in ratios]}\n{shown}"
+    print(f"ETA ratios {min(ratios):.2f}..{max(ratios):.2f} over {len(ratios)} readings; final rate "
+          f"{final['rate_per_s']:.3f} prompts/s")
+
+    # The early run, started once the drained one ended, fails at stage_weights within seconds.
+    af.wait_settled(early, timeout_s=300)
+    first = task_error(af, early, "stage_weights", 1).splitlines()[0]
+    assert "model_source_dir" in first, first
+    line = first.split(": ", 1)[1] if first.startswith("AirflowFailException: ") else first
+    page.goto(f"{af.url}/dflash/")
+    row = page.locator("#runs tr", has_text=early).inner_text()
+    assert "failed" in row and f"failed at stage_weights: {line}" in row, (row, line)
+    page.screenshot(path=screenshots / "16-runs-early-failure.png", full_page=True)
+    for tab, name in (("dflash-fleet", "Fleet"), ("dflash-quality", "Data quality")):
+        frame = open_run_tab(page, af, early, tab, name)
+        frame.locator("#run-state").filter(has_text="run failed").wait_for(timeout=30_000)
+        assert f"stage_weights failed: {line}" in frame.locator("#failures").inner_text()
+    page.screenshot(path=screenshots / "17-early-failure-quality.png")
+    page.close()
