@@ -503,9 +503,9 @@ def server_row(html: str, server: str) -> str:
 
 
 def test_the_rate_and_eta_come_from_checkpointed_answers_and_hold_steady(root):
-    """The rate is this run's answers on disk over the time the fleet worked: it does not drop when a failed
-    attempt's in-memory count vanishes, ignores answers another run made (the store's), names the slow server,
-    gives a clock time, and a finished run keeps its final rate as time passes."""
+    """The rate is this run's prompts done over the time the fleet worked since its first checkpointed answer:
+    the wait for the first answers does not count, answers another run made (the store's) are ignored, it names
+    the slow server, gives a clock time, and a finished run keeps its final rate as time passes."""
     run = RunLayout.of(root, FOLDER).run_dir
     RunLayout(run).report("plan").write_text(json.dumps({"rows": 400, "accepted": 400}))
     started = 1000.0
@@ -515,16 +515,20 @@ def test_the_rate_and_eta_come_from_checkpointed_answers_and_hold_steady(root):
     rows = [{"shard": 0, "state": "running", "done": 160, "history": [{"started_at": started, "done_before": 0}]}]
     running = {"state": "running"}
     p = progress(run, rows, running, None, answers, now=1100.0)
-    assert p["rate_per_s"] == pytest.approx(1.5) and p["work_s"] == pytest.approx(100.0)
-    assert p["eta_s"] == pytest.approx(240 / 1.5) and p["eta_at"] == pytest.approx(1100.0 + 160.0)
+    rate = 160 / 99  # done (150 on disk, 10 more in memory), over the time since the first answer (1001 s)
+    assert p["rate_per_s"] == pytest.approx(rate) and p["work_s"] == pytest.approx(99.0)
+    assert p["eta_s"] == pytest.approx(240 / rate) and p["eta_at"] == pytest.approx(1100.0 + 240 / rate)
     assert [s["server"] for s in p["servers"] if s["slow"]] == ["server 1 (GPU 1)"]
     assert "server 2 (GPU 2)" not in [s["server"] for s in p["servers"]]
-    # A failed attempt loses 60 in-memory results: done drops, the rate (answers on disk) does not.
-    rows[0]["done"] = 100
-    assert progress(run, rows, running, None, answers, now=1100.0)["rate_per_s"] == pytest.approx(1.5)
+    # Heartbeats alone (nothing checkpointed yet): no rate, no ETA from it.
+    assert progress(run, rows, running, None, {}, now=1100.0)["rate_per_s"] is None
+    # The first answers came 30 s after the shard started (the requests in flight took that long): the wait before
+    # them does not count, or the first checkpoints would read a rate far below the one the run goes on at.
+    late = {name: (f + 30.0 * (f > started), t) for name, (f, t) in answers.items()}
+    assert progress(run, rows, running, None, late, now=1130.0)["rate_per_s"] == pytest.approx(rate)
     # Finished: the rate is over the time it worked, not over the time since.
     done = {"state": "success"}
-    assert progress(run, rows, done, None, answers, now=9999.0)["rate_per_s"] == pytest.approx(1.5)
+    assert progress(run, rows, done, None, answers, now=9999.0)["rate_per_s"] == pytest.approx(rate)
 
 
 def test_a_user_allowed_to_change_runs_drains_a_running_run_from_the_fleet_page(root):
