@@ -303,17 +303,18 @@ def test_user_triggers_from_the_form_a_rest_client_and_the_user_each_clear_one_f
     # and shard 2 lists both servers it ran on.
     report = af.api("GET", f"/dflash/runs/{quote(run_id, safe='')}/fleet.json").json()
     first_attempt = min(a["started_at"] for s in report["shards"] for a in s["history"])
+    # The page: the start shown is no later than the first shard attempt (the clears came after it), the server's
+    # death is listed with how it died.
+    shown = re.search(r"started (\S+ \S+) UTC", fleet.locator("#run-state").inner_text()).group(1)
+    assert shown <= time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(first_attempt)), (shown, first_attempt)
+    unhealthy = fleet.locator("#incidents li.server-unhealthy").all_inner_texts()
+    assert any("SIGKILL" in i for i in unhealthy), incidents
+    # The same in fleet.json:
     assert report["run_state"]["start"] <= first_attempt, (report["run_state"]["start"], first_attempt)
     assert any(i["kind"] == "server unhealthy" and "SIGKILL" in i["text"] for i in report["incidents"]), report
     marked = next(s for s in report["servers"] if s["server"] == server)
     assert marked["marked"] and marked["checked_at"] > marked["marked"][-1]["at"], marked
     assert len({a["server"] for a in next(s for s in report["shards"] if s["shard"] == 2)["history"]}) == 2
-    # ...and the page says so: the start shown is no later than the first shard attempt (the clears came after it),
-    # the server's death is listed with how it died.
-    shown = re.search(r"started (\S+ \S+) UTC", fleet.locator("#run-state").inner_text()).group(1)
-    assert shown <= time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(first_attempt)), (shown, first_attempt)
-    unhealthy = fleet.locator("#incidents li.server-unhealthy").all_inner_texts()
-    assert any("SIGKILL" in i for i in unhealthy), incidents
 
     # In the narrow side panel, then on its own through the page's full-page link.
     page.set_viewport_size(SIDE_PANEL)
