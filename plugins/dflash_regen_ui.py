@@ -16,6 +16,7 @@ kept: the run folder records it only for the tasks that write a report or a shar
 import json
 import logging
 from datetime import datetime
+from typing import Any
 from urllib.parse import quote
 
 from airflow.api_fastapi.auth.managers.models.resource_details import DagAccessEntity
@@ -103,8 +104,8 @@ class AirflowRuns:
                 TaskInstance.dag_id == DAG_ID, TaskInstance.run_id == run_id, TaskInstance.task_id == key[1],
                 TaskInstance.map_index == key[2], TaskInstance.try_number == key[3])
                 .options(joinedload(TaskInstance.dag_run)))
-            messages, _ = TaskLogReader().read_log_chunks(ti, key[3], {"download_logs": True}) if ti else ([], {})
-            line = _error_line(messages)
+            metadata: Any = {"download_logs": True}  # the whole log, as the REST API's full_content reads it
+            line = _error_line(TaskLogReader().read_log_chunks(ti, key[3], metadata)[0]) if ti else ""
         except Exception as exc:  # noqa: BLE001 - a log that cannot be read must not break the page
             log.warning("no first error line for %s: %s: %s", key, type(exc).__name__, exc)
             return ""
