@@ -420,12 +420,13 @@ def test_queued_and_early_failed_runs_a_second_root_a_refused_root_and_a_drain_f
         assert r.status_code == 403 and "DFLASH_SERVED_ROOTS" in r.text, (path, r.status_code, r.text[:300])
     af.api("DELETE", f"/api/v2/dags/dflash_regen/dagRuns/{outside}")
 
-    # The drain: from the Fleet page, once the run has checkpointed some answers and the ETA has been read a while.
+    # The drain: from the Fleet page (opened now, the button pressed once the run has checkpointed some answers and
+    # the ETA has been read a while).
+    fleet = open_run_tab(page, af, drained, "dflash-fleet", "Fleet")
     deadline = time.monotonic() + 300
     while not [s for s in poller.series if s["done"] >= 32] and time.monotonic() < deadline:
         time.sleep(0.5)
     assert af.run_state(drained) == "running", poller.series
-    fleet = open_run_tab(page, af, drained, "dflash-fleet", "Fleet")
     fleet.get_by_role("button", name="Drain").click()
     fleet.locator("#draining").filter(has_text="asked by admin").wait_for(timeout=30_000)
     page.screenshot(path=screenshots / "14-draining.png")
