@@ -421,9 +421,11 @@ def test_queued_and_early_failed_runs_a_second_root_a_refused_root_and_a_drain_f
     af.api("DELETE", f"/api/v2/dags/dflash_regen/dagRuns/{outside}")
 
     # The drain: from the Fleet page (opened now, the button pressed once the run has checkpointed some answers and
-    # the ETA has been read a while).
-    fleet = open_run_tab(page, af, drained, "dflash-fleet", "Fleet")
+    # the ETA has been read a while). Its folder first: a run without one has no Fleet page to drain from yet.
     deadline = time.monotonic() + 300
+    while not poller.series and time.monotonic() < deadline:
+        time.sleep(0.5)
+    fleet = open_run_tab(page, af, drained, "dflash-fleet", "Fleet")
     while not [s for s in poller.series if s["done"] >= 32] and time.monotonic() < deadline:
         time.sleep(0.5)
     assert af.run_state(drained) == "running", poller.series
