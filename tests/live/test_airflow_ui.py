@@ -378,40 +378,39 @@ class FleetPoller:
 
 def test_queued_and_early_failed_runs_a_second_root_a_refused_root_and_a_drain_from_the_fleet_page(
         live_airflow, browser, screenshots):
-    """Three more runs and one refused, short and overlapping (the DAG runs one at a time, max_active_runs=1):
-    - `drained`, on the second output root the api-server serves: the user drains it from its Fleet page while it
-      generates; its ETA is read all along;
-    - `early`, triggered meanwhile, is queued behind it, then fails at stage_weights (a model source that is not
-      there): both shown in the runs list and both tabs with Airflow's state and the first error line;
+    """Three more runs and one refused, short and back to back (the DAG runs one at a time, max_active_runs=1):
+    - `early` fails at stage_weights within seconds (a model source that is not there);
+    - `drained`, on the second output root the api-server serves, is queued behind it; then the user drains it from
+      its Fleet page while it generates; its ETA is read all along;
     - `outside` names an output root the pages do not serve: listed as such, its pages answer 403; deleted while
-      queued (nothing of it ever runs)."""
+      queued (nothing of it ever runs).
+    The queued run and the failed one are shown in the runs list and both tabs with Airflow's state and the failed
+    task's first error line."""
     af = live_airflow
     page = browser.new_page(viewport={"width": 1400, "height": 1000})
     page.on("dialog", lambda dialog: dialog.accept())  # the Drain button asks first
     log_in(page, af)
     drained, early, outside = "manual__ui_drained", "manual__ui_early", "manual__ui_outside"
+    af.trigger(early, {"model_source_dir": str(af.home.parent / "no-model-here"), "reuse": "off"})
+    af.wait_run(early, states={"running", "failed"})
     # Two shards of 60 on two servers; no calibration or tuning (fewer requests and minutes); slow emulated decoding
-    # and few requests in flight, so the run is still generating while the browser looks at the others.
+    # and few requests in flight, so the run is still generating when the user drains it.
     af.trigger(drained, {"output_root": str(af.second_root), "num_servers": 2, "shard_size": 60,
                          "checkpoint_every": 8, "calibration_prompts": 0, "autotune": "off", "reuse": "off",
                          "concurrency_per_server": 4,
                          "emulator_profile": {**LIVE_PROFILE, "decode_tokens_per_s": 300}})
-    af.wait_run(drained, states={"running"})
-    poller = FleetPoller(af, drained)
-    missing = af.home.parent / "no-model-here"
-    af.trigger(early, {"model_source_dir": str(missing), "reuse": "off"})
+    poller = FleetPoller(af, drained)  # readings start once the run has a folder
     af.trigger(outside, {"output_root": str(af.home.parent / "out-not-served")})
-    assert af.run_state(early) == af.run_state(outside) == "queued"
+    assert af.run_state(drained) == af.run_state(outside) == "queued"
 
-    # The runs list: the running run on the second root, the queued run, the refused one.
+    # The runs list: the queued run (on the second root), the refused one; their tabs.
     page.goto(f"{af.url}/dflash/")
-    rows = {run: page.locator("#runs tr", has_text=run).inner_text() for run in (drained, early, outside)}
-    assert "running" in rows[drained] and "quality" in rows[drained] and "fleet" in rows[drained], rows
-    assert "queued" in rows[early] and "(queued)" in rows[early], rows
+    rows = {run: page.locator("#runs tr", has_text=run).inner_text() for run in (drained, outside)}
+    assert "queued" in rows[drained] and "(queued)" in rows[drained] and "fleet" in rows[drained], rows
     assert f"output root {af.home.parent / 'out-not-served'} is not served here" in rows[outside], rows
     page.screenshot(path=screenshots / "12-runs-queued-refused.png", full_page=True)
     for tab, name in (("dflash-fleet", "Fleet"), ("dflash-quality", "Data quality")):
-        frame = open_run_tab(page, af, early, tab, name)
+        frame = open_run_tab(page, af, drained, tab, name)
         frame.locator("#why").filter(has_text="it is queued").wait_for(timeout=30_000)
         assert "run queued" in frame.locator("#run-state").inner_text()
     page.screenshot(path=screenshots / "13-queued-run-fleet.png")
@@ -419,6 +418,22 @@ def test_queued_and_early_failed_runs_a_second_root_a_refused_root_and_a_drain_f
         r = af.api("GET", f"/dflash/runs/{outside}/{path}", check=False)
         assert r.status_code == 403 and "DFLASH_SERVED_ROOTS" in r.text, (path, r.status_code, r.text[:300])
     af.api("DELETE", f"/api/v2/dags/dflash_regen/dagRuns/{outside}")
+
+    # The early run failed at stage_weights: its first line in the list and both tabs.
+    af.wait_settled(early, timeout_s=300)
+    first = task_error(af, early, "stage_weights", 1).splitlines()[0]
+    assert "model_source_dir" in first, first
+    line = first.split(": ", 1)[1] if first.startswith("AirflowFailException: ") else first
+    page.goto(f"{af.url}/dflash/")
+    row = page.locator("#runs tr", has_text=early).inner_text()
+    assert "failed" in row and f"failed at stage_weights: {line}" in row, (row, line)
+    page.screenshot(path=screenshots / "16-runs-early-failure.png", full_page=True)
+    for tab, name in (("dflash-fleet", "Fleet"), ("dflash-quality", "Data quality")):
+        frame = open_run_tab(page, af, early, tab, name)
+        frame.locator("#run-state").filter(has_text="run failed").wait_for(timeout=30_000)
+        assert f"stage_weights failed: {line}" in frame.locator("#failures").inner_text()
+    page.screenshot(path=screenshots / "17-early-failure-quality.png")
+    af.wait_run(drained, states={"running"})  # next in line
 
     # The drain: from the Fleet page (opened now, the button pressed once the run has checkpointed some answers and
     # the ETA has been read a while). Its folder first: a run without one has no Fleet page to drain from yet.
@@ -481,18 +496,4 @@ def test_queued_and_early_failed_runs_a_second_root_a_refused_root_and_a_drain_f
     print(f"ETA ratios {min(ratios):.2f}..{max(ratios):.2f} over {len(ratios)} readings; final rate "
           f"{final_rate:.3f} prompts/s\n{shown}")
 
-    # The early run, started once the drained one ended, fails at stage_weights within seconds.
-    af.wait_settled(early, timeout_s=300)
-    first = task_error(af, early, "stage_weights", 1).splitlines()[0]
-    assert "model_source_dir" in first, first
-    line = first.split(": ", 1)[1] if first.startswith("AirflowFailException: ") else first
-    page.goto(f"{af.url}/dflash/")
-    row = page.locator("#runs tr", has_text=early).inner_text()
-    assert "failed" in row and f"failed at stage_weights: {line}" in row, (row, line)
-    page.screenshot(path=screenshots / "16-runs-early-failure.png", full_page=True)
-    for tab, name in (("dflash-fleet", "Fleet"), ("dflash-quality", "Data quality")):
-        frame = open_run_tab(page, af, early, tab, name)
-        frame.locator("#run-state").filter(has_text="run failed").wait_for(timeout=30_000)
-        assert f"stage_weights failed: {line}" in frame.locator("#failures").inner_text()
-    page.screenshot(path=screenshots / "17-early-failure-quality.png")
     page.close()
