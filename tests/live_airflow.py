@@ -83,9 +83,12 @@ class LiveAirflow:
             "AIRFLOW__SCHEDULER__TASK_INSTANCE_HEARTBEAT_TIMEOUT": "60",
             # The DAG file does not change during a session: parsed once, not again every 30 s (CPU the tests need).
             "AIRFLOW__DAG_PROCESSOR__MIN_FILE_PROCESS_INTERVAL": "3600",
+            # A second output root the report pages serve, for a run whose conf names it.
+            "DFLASH_SERVED_ROOTS": str(home.parent / "out-second"),
             **extra_env,
         }
         self.output_root = Path(extra_env["DFLASH_OUTPUT_ROOT"])  # where the DAG's runs land by default
+        self.second_root = Path(self.env["DFLASH_SERVED_ROOTS"].split(os.pathsep)[0])
         self._token: str | None = None
 
     # ------------------------------------------------------------------------------------------ lifecycle

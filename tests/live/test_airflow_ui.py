@@ -9,20 +9,26 @@ from __future__ import annotations
 
 import json
 import re
+import threading
+import time
 from pathlib import Path
 from urllib.parse import quote, unquote
 
+import pyarrow.parquet as pq
 import pytest
 from conftest import ROOT
 from live_airflow import (
+    LIVE_PROFILE,
     LiveAirflow,
+    _running,
     completion_ids,
     kill_in_the_middle_of_shard,
     published_manifest,
     run_dir,
 )
 
-from dflash_regen.layout import RunLayout
+from dflash_regen.layout import COMPLETIONS, RunLayout
+from dflash_regen.settings.run_config import safe_run_id
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
@@ -297,6 +303,13 @@ def test_user_triggers_from_the_form_a_rest_client_and_the_user_each_clear_one_f
     # and shard 2 lists both servers it ran on.
     report = af.api("GET", f"/dflash/runs/{quote(run_id, safe='')}/fleet.json").json()
     first_attempt = min(a["started_at"] for s in report["shards"] for a in s["history"])
+    # The page: the start shown is no later than the first shard attempt (the clears came after it), the server's
+    # death is listed with how it died.
+    shown = re.search(r"started (\S+ \S+) UTC", fleet.locator("#run-state").inner_text()).group(1)
+    assert shown <= time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(first_attempt)), (shown, first_attempt)
+    unhealthy = fleet.locator("#incidents li.server-unhealthy").all_inner_texts()
+    assert any("SIGKILL" in i for i in unhealthy), incidents
+    # The same in fleet.json:
     assert report["run_state"]["start"] <= first_attempt, (report["run_state"]["start"], first_attempt)
     assert any(i["kind"] == "server unhealthy" and "SIGKILL" in i["text"] for i in report["incidents"]), report
     marked = next(s for s in report["servers"] if s["server"] == server)
@@ -330,3 +343,157 @@ def test_user_triggers_from_the_form_a_rest_client_and_the_user_each_clear_one_f
     page.close()
 
 
+
+
+# ------------------------------------------------------------------------- more runs: queued, early, roots, drain
+CHAT = '"POST /v1/chat/completions HTTP/1.1" 200'  # a chat request in a server's access log
+
+
+class FleetPoller:
+    """Reads a run's fleet.json every `every_s` in the background (what the Fleet page shows), keeping each
+    reading's progress: the ETA's series."""
+
+    def __init__(self, af: LiveAirflow, run_id: str, every_s: float = 2.0):
+        self.url = f"/dflash/runs/{quote(run_id, safe='')}/fleet.json"
+        self.af, self.every_s, self.series, self.stop = af, every_s, [], threading.Event()
+        self.thread = threading.Thread(target=self._poll, daemon=True)
+        self.thread.start()
+
+    def _poll(self):
+        while not self.stop.is_set():
+            r = self.af.api("GET", self.url, check=False)
+            if r.ok:
+                report = r.json()
+                p = report["progress"]
+                self.series.append({"at": time.time(), "done": p["done"], "left": p["left"], "eta_s": p["eta_s"],
+                                    "rate": p["rate_per_s"], "source": p["eta_source"],
+                                    "state": report["run_state"]["state"], "draining": bool(report["drain"])})
+            self.stop.wait(self.every_s)
+
+    def finish(self) -> list[dict]:
+        self.stop.set()
+        self.thread.join(30)
+        return self.series
+
+
+def test_queued_and_early_failed_runs_a_second_root_a_refused_root_and_a_drain_from_the_fleet_page(
+        live_airflow, browser, screenshots):
+    """Three more runs and one refused, short and back to back (the DAG runs one at a time, max_active_runs=1):
+    - `early` fails at stage_weights within seconds (a model source that is not there);
+    - `drained`, on the second output root the api-server serves, is queued behind it; then the user drains it from
+      its Fleet page while it generates; its ETA is read all along;
+    - `outside` names an output root the pages do not serve: listed as such, its pages answer 403; deleted while
+      queued (nothing of it ever runs).
+    The queued run and the failed one are shown in the runs list and both tabs with Airflow's state and the failed
+    task's first error line."""
+    af = live_airflow
+    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    page.on("dialog", lambda dialog: dialog.accept())  # the Drain button asks first
+    log_in(page, af)
+    drained, early, outside = "manual__ui_drained", "manual__ui_early", "manual__ui_outside"
+    af.trigger(early, {"model_source_dir": str(af.home.parent / "no-model-here"), "reuse": "off"})
+    af.wait_run(early, states={"running", "failed"})
+    # Two shards of 60 on two servers; no calibration or tuning (fewer requests and minutes); slow emulated decoding
+    # and few requests in flight, so the run is still generating when the user drains it.
+    af.trigger(drained, {"output_root": str(af.second_root), "num_servers": 2, "shard_size": 60,
+                         "checkpoint_every": 8, "calibration_prompts": 0, "autotune": "off", "reuse": "off",
+                         "concurrency_per_server": 4,
+                         "emulator_profile": {**LIVE_PROFILE, "decode_tokens_per_s": 300}})
+    poller = FleetPoller(af, drained)  # readings start once the run has a folder
+    af.trigger(outside, {"output_root": str(af.home.parent / "out-not-served")})
+    assert af.run_state(drained) == af.run_state(outside) == "queued"
+
+    # The runs list: the queued run (on the second root), the refused one; their tabs.
+    page.goto(f"{af.url}/dflash/")
+    rows = {run: page.locator("#runs tr", has_text=run).inner_text() for run in (drained, outside)}
+    assert "queued" in rows[drained] and "(queued)" in rows[drained] and "fleet" in rows[drained], rows
+    assert f"output root {af.home.parent / 'out-not-served'} is not served here" in rows[outside], rows
+    page.screenshot(path=screenshots / "12-runs-queued-refused.png", full_page=True)
+    for tab, name in (("dflash-fleet", "Fleet"), ("dflash-quality", "Data quality")):
+        frame = open_run_tab(page, af, drained, tab, name)
+        frame.locator("#why").filter(has_text="it is queued").wait_for(timeout=30_000)
+        assert "run queued" in frame.locator("#run-state").inner_text()
+    page.screenshot(path=screenshots / "13-queued-run-fleet.png")
+    for path in ("fleet", "quality", "fleet.json", "quality.json", "data-docs/index.html"):
+        r = af.api("GET", f"/dflash/runs/{outside}/{path}", check=False)
+        assert r.status_code == 403 and "DFLASH_SERVED_ROOTS" in r.text, (path, r.status_code, r.text[:300])
+    af.api("DELETE", f"/api/v2/dags/dflash_regen/dagRuns/{outside}")
+
+    # The early run failed at stage_weights: its first line in the list and both tabs.
+    af.wait_settled(early, timeout_s=300)
+    first = task_error(af, early, "stage_weights", 1).splitlines()[0]
+    assert "model_source_dir" in first, first
+    line = first.split(": ", 1)[1] if first.startswith("AirflowFailException: ") else first
+    page.goto(f"{af.url}/dflash/")
+    row = page.locator("#runs tr", has_text=early).inner_text()
+    assert "failed" in row and f"failed at stage_weights: {line}" in row, (row, line)
+    page.screenshot(path=screenshots / "16-runs-early-failure.png", full_page=True)
+    for tab, name in (("dflash-fleet", "Fleet"), ("dflash-quality", "Data quality")):
+        frame = open_run_tab(page, af, early, tab, name)
+        frame.locator("#run-state").filter(has_text="run failed").wait_for(timeout=30_000)
+        assert f"stage_weights failed: {line}" in frame.locator("#failures").inner_text()
+    page.screenshot(path=screenshots / "17-early-failure-quality.png")
+    af.wait_run(drained, states={"running"})  # next in line
+
+    # The drain: from the Fleet page (opened now, the button pressed once the run has checkpointed some answers and
+    # the ETA has been read a while). Its folder first: a run without one has no Fleet page to drain from yet.
+    deadline = time.monotonic() + 300
+    while not poller.series and time.monotonic() < deadline:
+        time.sleep(0.5)
+    fleet = open_run_tab(page, af, drained, "dflash-fleet", "Fleet")
+    while not [s for s in poller.series if s["done"] >= 32] and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert af.run_state(drained) == "running", poller.series
+    fleet.get_by_role("button", name="Drain").click()
+    fleet.locator("#draining").filter(has_text="asked by admin").wait_for(timeout=30_000)
+    page.screenshot(path=screenshots / "14-draining.png")
+    states = af.wait_settled(drained, timeout_s=300)
+    assert af.run_state(drained) == "failed"
+    assert {states["generate[0]"], states["generate[1]"]} == {"skipped"}, states  # drained, not failed
+    assert states["stop_fleet"] == "success" and states["check_published"] == "failed", af.failures(drained)
+
+    # Every request the shards sent was answered and kept (none lost in flight), the servers are gone.
+    folder = RunLayout.of(af.second_root, safe_run_id(drained)).run_dir
+    layout = RunLayout(folder)
+    smoke = {s["server"]: len(s["results"]) for s in json.loads(layout.report("smoke").read_text())["servers"]}
+    kept: dict[str, int] = {}
+    for path in layout.result_files(COMPLETIONS):
+        for server in pq.read_table(path, columns=["server"]).column("server").to_pylist():
+            kept[server] = kept.get(server, 0) + 1
+    sent = {}
+    for spec in (json.loads(p.read_text()) for p in layout.fleet.server_specs()):
+        name = f"server {spec['index']} (GPU {spec['gpu']}, 127.0.0.1:{spec['port']})"
+        sent[name] = layout.fleet.server_log(spec["index"]).read_text().count(CHAT) - smoke[name]
+        assert not _running(spec["pid"]), f"{name} (pid {spec['pid']}) still runs after the drain"
+    assert sent == kept and 0 < sum(kept.values()) < 120, (sent, kept)
+
+    # The pages say who stopped it: the Fleet tab, the Data-quality tab (the verdict's first line), the runs list.
+    fleet = open_run_tab(page, af, drained, "dflash-fleet", "Fleet")
+    assert "Drained by admin" in fleet.locator("#draining").inner_text()
+    page.screenshot(path=screenshots / "15-drained-fleet.png")
+    quality = open_run_tab(page, af, drained, "dflash-quality", "Data quality")
+    assert "drained by admin" in quality.locator("#failures").inner_text()
+    page.goto(f"{af.url}/dflash/")
+    assert "drained by admin" in page.locator("#runs tr", has_text=drained).inner_text()
+
+    # The ETA, read every 2 s from the first checkpoint until the drain, against the run's final figure: the prompts
+    # left at each reading over the rate the run kept up over its whole generation, its answers over the time from
+    # its first to its last (read from its completions: no pause in this run). Not a wall-clock end: the drain cut
+    # the run short, and a rate is what an ETA extrapolates. Both sides come from this run on this machine, so a
+    # busy box slows both alike.
+    finished = sorted(t for path in layout.result_files(COMPLETIONS)
+                      for t in pq.read_table(path, columns=["finished_at"]).column("finished_at").to_pylist())
+    final_rate = len(finished) / (finished[-1] - finished[0])
+    series = poller.finish()
+    readings = [s for s in series if s["rate"] and not s["draining"] and s["state"] == "running" and s["left"]]
+    ratios = [s["eta_s"] * final_rate / s["left"] for s in readings]
+    shown = "\n".join(f"{s['at'] - series[0]['at']:6.1f} s: done {s['done']}, left {s['left']}, eta "
+                      f"{s['eta_s']}, rate {s['rate']}, {s['source']}, {s['state']}"
+                      f"{', draining' if s['draining'] else ''}" for s in series)
+    assert len(readings) >= 3, f"too few readings from the first checkpoint to the drain:\n{shown}"
+    assert all(0.5 <= r <= 2 for r in ratios), \
+        f"ETA / (left / final rate {final_rate:.3f}/s): {[round(r, 2) for r in ratios]}\n{shown}"
+    print(f"ETA ratios {min(ratios):.2f}..{max(ratios):.2f} over {len(ratios)} readings; final rate "
+          f"{final_rate:.3f} prompts/s\n{shown}")
+
+    page.close()

@@ -36,6 +36,17 @@ def _ti_label(t: dict) -> str:
     return t["task_id"] + (f"[{t['map_index']}]" if t["map_index"] >= 0 else "")
 
 
+def _pipeline_order(t: dict) -> tuple[int, int]:
+    return PIPELINE.index(t["task_id"]) if t["task_id"] in PIPELINE else 99, t["map_index"]
+
+
+def first_failed(tasks: list[dict]) -> dict | None:
+    """Where a run stopped: its failed task earliest in pipeline order (`task` its label), the verdict only when
+    nothing else failed; None if none failed."""
+    ordered = sorted(tasks, key=lambda t: (t["task_id"] == VERDICT, *_pipeline_order(t)))
+    return {**ordered[0], "task": _ti_label(ordered[0])} if ordered else None
+
+
 def _first_line(text) -> str:
     return (str(text or "").strip().splitlines() or [""])[0]
 
@@ -49,8 +60,7 @@ def run_state(run: Path | None, airflow_run: dict | None) -> dict:
         return {"known": False, "state": None, "start": None, "end": None, "duration_s": None, "stopped_by": None,
                 "failed": [],
                 "stopped_at": None, "not_run": [], "running": []}
-    tasks = sorted(airflow_run.get("tasks", []), key=lambda t: (PIPELINE.index(t["task_id"])
-                                                                if t["task_id"] in PIPELINE else 99, t["map_index"]))
+    tasks = sorted(airflow_run.get("tasks", []), key=_pipeline_order)
     state = airflow_run.get("state")
     going = state in RUNNING_STATES  # a running run's failures can still be cleared: nothing here is final yet
     stopped = airflow_run.get("stopped") if state == "failed" else None  # {by, at}: marked failed by a user
@@ -58,11 +68,13 @@ def run_state(run: Path | None, airflow_run: dict | None) -> dict:
     for t in tasks:
         if t["state"] != "failed" or (going and t["task_id"] == VERDICT):
             continue
-        error = errors.get(t["task_id"], "")
+        # the folder's reports, else the first line Airflow's log of the task holds (the plugin reads it)
+        error = errors.get(t["task_id"]) or t.get("error") or ""
         if run and (t["task_id"] == "generate" or t["task_id"].endswith(".generate")):
             shard = next((n for n, ti in _generate_tis(run, airflow_run).items() if ti is t), t["map_index"])
             attempts = (statuses.get(shard) or {}).get("attempts", [])
-            error = next((a.get("error", "") for a in reversed(attempts) if a.get("state") == "failed"), "")
+            error = next((a.get("error", "") for a in reversed(attempts) if a.get("state") == "failed"),
+                         t.get("error") or "")
         if stopped and (t.get("end") or 0) >= stopped["at"]:  # ended by the operator's stop, not by a fault
             error = f"stopped with the run by {stopped['by']}"
         failed.append({"task": _ti_label(t), "task_id": t["task_id"], "map_index": t["map_index"],

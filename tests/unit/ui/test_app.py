@@ -353,18 +353,21 @@ def test_fleet_page_shows_the_autotune_table_and_the_train_length_budget(client,
 
 
 def test_a_run_without_a_folder_is_a_row_and_its_tabs_show_airflows_state(root):
+    WHY = "ConfigError: Param model_source_dir: /nowhere does not exist; give the model directory"
     """A queued run and one that failed at stage_weights have no run folder: the list must not break (it once
     answered Internal Server Error) and the tabs show the state and the failed task instead of a bare 404."""
 
     class TwoMore(Airflow):
         def runs(self):
             return [{"run_id": "manual__queued", "state": "queued", "start": None, "end": None},
-                    {"run_id": "manual__early", "state": "failed", "start": 900.0, "end": 910.0}] + super().runs()
+                    {"run_id": "manual__early", "state": "failed", "start": 900.0, "end": 910.0,
+                     "failed_at": "stage_weights", "error": WHY}] + super().runs()
 
         def run(self, run_id):
             if run_id == "manual__early":
                 return {"run_id": run_id, "state": "failed", "start": 900.0, "end": 910.0, "tasks": [
-                    {"task_id": "stage_weights", "map_index": -1, "state": "failed", "try_number": 1},
+                    {"task_id": "stage_weights", "map_index": -1, "state": "failed", "try_number": 1,
+                     "error": WHY},  # the plugin reads it from the task's log
                     {"task_id": "publish", "map_index": -1, "state": "upstream_failed", "try_number": 0}]}
             if run_id == "manual__queued":
                 return {"run_id": run_id, "state": "queued", "start": None, "end": None, "tasks": []}
@@ -375,11 +378,13 @@ def test_a_run_without_a_folder_is_a_row_and_its_tabs_show_airflows_state(root):
     assert index.status_code == 200
     rows = index.text.split('id="runs"', 1)[1].split("</table>", 1)[0]
     assert ">manual__queued</a>" in rows and "(queued)" in rows and ">manual__early</a>" in rows
+    assert f"failed at <b>stage_weights</b>: {WHY}" in rows
     for page in ("quality", "fleet"):
         early = client.get(f"/runs/manual__early/{page}")
         assert early.status_code == 200 and early.headers["content-type"].startswith("text/html"), page
         assert 'class="badge fail">run failed' in early.text and "<b>stage_weights</b> failed" in early.text
         assert "failed at <b>stage_weights</b> before writing one" in early.text
+        assert f"<b>stage_weights</b> failed: {WHY}" in early.text, page
         queued = client.get(f"/runs/manual__queued/{page}")
         assert queued.status_code == 200 and "it is queued" in queued.text
     assert client.get("/runs/manual__unknown/quality").status_code == 404
@@ -498,9 +503,9 @@ def server_row(html: str, server: str) -> str:
 
 
 def test_the_rate_and_eta_come_from_checkpointed_answers_and_hold_steady(root):
-    """The rate is this run's answers on disk over the time the fleet worked: it does not drop when a failed
-    attempt's in-memory count vanishes, ignores answers another run made (the store's), names the slow server,
-    gives a clock time, and a finished run keeps its final rate as time passes."""
+    """The rate is this run's prompts done over the time the fleet worked since its first checkpointed answer:
+    the wait for the first answers does not count, answers another run made (the store's) are ignored, it names
+    the slow server, gives a clock time, and a finished run keeps its final rate as time passes."""
     run = RunLayout.of(root, FOLDER).run_dir
     RunLayout(run).report("plan").write_text(json.dumps({"rows": 400, "accepted": 400}))
     started = 1000.0
@@ -510,16 +515,20 @@ def test_the_rate_and_eta_come_from_checkpointed_answers_and_hold_steady(root):
     rows = [{"shard": 0, "state": "running", "done": 160, "history": [{"started_at": started, "done_before": 0}]}]
     running = {"state": "running"}
     p = progress(run, rows, running, None, answers, now=1100.0)
-    assert p["rate_per_s"] == pytest.approx(1.5) and p["work_s"] == pytest.approx(100.0)
-    assert p["eta_s"] == pytest.approx(240 / 1.5) and p["eta_at"] == pytest.approx(1100.0 + 160.0)
+    rate = 160 / 99  # done (150 on disk, 10 more in memory), over the time since the first answer (1001 s)
+    assert p["rate_per_s"] == pytest.approx(rate) and p["work_s"] == pytest.approx(99.0)
+    assert p["eta_s"] == pytest.approx(240 / rate) and p["eta_at"] == pytest.approx(1100.0 + 240 / rate)
     assert [s["server"] for s in p["servers"] if s["slow"]] == ["server 1 (GPU 1)"]
     assert "server 2 (GPU 2)" not in [s["server"] for s in p["servers"]]
-    # A failed attempt loses 60 in-memory results: done drops, the rate (answers on disk) does not.
-    rows[0]["done"] = 100
-    assert progress(run, rows, running, None, answers, now=1100.0)["rate_per_s"] == pytest.approx(1.5)
+    # Heartbeats alone (nothing checkpointed yet): no rate, no ETA from it.
+    assert progress(run, rows, running, None, {}, now=1100.0)["rate_per_s"] is None
+    # The first answers came 30 s after the shard started (the requests in flight took that long): the wait before
+    # them does not count, or the first checkpoints would read a rate far below the one the run goes on at.
+    late = {name: (f + 30.0 * (f > started), t) for name, (f, t) in answers.items()}
+    assert progress(run, rows, running, None, late, now=1130.0)["rate_per_s"] == pytest.approx(rate)
     # Finished: the rate is over the time it worked, not over the time since.
     done = {"state": "success"}
-    assert progress(run, rows, done, None, answers, now=9999.0)["rate_per_s"] == pytest.approx(1.5)
+    assert progress(run, rows, done, None, answers, now=9999.0)["rate_per_s"] == pytest.approx(rate)
 
 
 def test_a_user_allowed_to_change_runs_drains_a_running_run_from_the_fleet_page(root):
