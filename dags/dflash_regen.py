@@ -114,7 +114,8 @@ def dflash_regen():
     # Airflow fixes retries at parse time: the most here; the run's generate_retries Param stops earlier.
     @task(retries=GENERATE_RETRIES_MAX, retry_delay=dt.timedelta(seconds=5), retry_exponential_backoff=2.0,
           max_retry_delay=dt.timedelta(minutes=2), max_active_tis_per_dagrun=PARALLEL_SHARDS,
-          map_index_template="{{ shard.label }}", on_success_callback=tasks.RunNotifier("progress"))
+          map_index_template="{{ shard.label }}", on_success_callback=tasks.RunNotifier("progress"),
+          retry_policy=tasks.GenerateRetries())
     def generate(shard: dict, params=None, run_id=None, ti=None, node=None) -> dict:
         return tasks.generate(params, run_id, shard, node=node, ti=ti)
 

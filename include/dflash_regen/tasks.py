@@ -9,7 +9,6 @@ callbacks. Errors that a retry cannot fix (bad Params, a failed gate, no space o
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import html
 import logging
@@ -18,6 +17,7 @@ from pathlib import Path
 
 from airflow.sdk import BaseHook, BaseNotifier
 from airflow.sdk.configuration import conf
+from airflow.sdk.definitions.retry_policy import RetryDecision, RetryPolicy
 from airflow.sdk.exceptions import AirflowFailException, AirflowNotFoundException, AirflowSkipException
 
 from dflash_regen import notify, publish, quality
@@ -308,36 +308,36 @@ def plan_shards(params: dict, run_id: str) -> list[dict]:
 @fail_fast
 def generate(params: dict, run_id: str, shard: dict, node: dict | None = None, ti=None) -> dict:
     cfg = _cfg(params, run_id, node)
-    with _retries_per_run(ti, cfg.generation.generate_retries, shard["label"]):
-        try:
-            return run_shard(cfg, shard)
-        except Drained as exc:  # the operator's drain: not a failure, nothing to retry
-            raise AirflowSkipException(str(exc)) from exc
-
-
-@contextlib.contextmanager
-def _retries_per_run(ti, allowed: int, label: str):
-    """The run's generate_retries within the task's fixed retries (the DAG gives it the most): a failure once
-    `allowed` retries are used fails the task for good, with its own message, and a retry Airflow started past them
-    (a killed task process is retried by Airflow, not by us) fails at once. None without a task instance."""
-    if ti is None:
-        yield
-        return
-    # Airflow counts tries across clears; a clear sets max_tries = try_number + retries, so this attempt's
-    # first try is max_tries - retries + 1.
-    used = ti.try_number - (ti.max_tries - ti.task.retries + 1)
-    why = f"this run's generate_retries is {allowed}; clear the task to run it again"
-    if used > allowed:
-        raise AirflowFailException(f"{label} not run again: it already failed {used} of {allowed + 1} allowed "
-                                   f"tries; {why}")
+    if ti is not None and _retries_used(ti) > cfg.generation.generate_retries:
+        raise AirflowFailException(f"{shard['label']} not run again: try {ti.try_number - 1} was killed and "
+                                   f"{_no_retry_left(cfg.generation.generate_retries)} (its log says more)")
     try:
-        yield
-    except (AirflowSkipException, AirflowFailException, NotRetryable):
-        raise
-    except Exception as exc:
-        if used < allowed:
-            raise
-        raise AirflowFailException(f"{exc}\nNot retried: {why}.").with_traceback(exc.__traceback__) from exc.__cause__
+        return run_shard(cfg, shard)
+    except Drained as exc:  # the operator's drain: not a failure, nothing to retry
+        raise AirflowSkipException(str(exc)) from exc
+
+
+def _retries_used(ti) -> int:
+    """Retries since the task was last cleared: Airflow counts tries across clears, and a clear sets max_tries =
+    try_number + retries, so this attempt's first try is max_tries - retries + 1."""
+    return ti.try_number - (ti.max_tries - ti.task.retries + 1)
+
+
+def _no_retry_left(allowed: int) -> str:
+    return f"this run's generate_retries is {allowed}; clear the task to run it again"
+
+
+class GenerateRetries(RetryPolicy):
+    """The run's Param generate_retries within the generate task's fixed retries (the DAG gives it the most,
+    GENERATE_RETRIES_MAX): once they are used, a failure fails the task for good, its error unchanged. A task
+    process killed from outside is retried by Airflow without asking; `generate` then fails that try at once."""
+
+    def evaluate(self, exception, try_number, max_tries, context=None) -> RetryDecision:
+        if not context or "generate_retries" not in (context.get("params") or {}):
+            return RetryDecision.default()
+        allowed = int(context["params"]["generate_retries"])
+        return RetryDecision.fail(_no_retry_left(allowed)) if _retries_used(context["ti"]) >= allowed \
+            else RetryDecision.default()
 
 
 @fail_fast

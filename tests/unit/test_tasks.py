@@ -4,6 +4,7 @@ and assign_shards splits the shards among the nodes that passed by their measure
 import json
 
 import pytest
+from airflow.sdk.definitions.retry_policy import RetryAction
 from airflow.sdk.exceptions import AirflowFailException, AirflowSkipException
 
 from dflash_regen import tasks
@@ -81,44 +82,29 @@ class Try:
         self.task = type("Task", (), {"retries": retries})()
 
 
-SERVER_DIED = RuntimeError("server-3 died: 3 of 20 kept")
-
-
-def run_try(ti, allowed, error=SERVER_DIED):
-    """Run a failing body under the run's generate_retries; returns the exception Airflow would see."""
-    ran = []
-    with pytest.raises(Exception) as caught:
-        with tasks._retries_per_run(ti, allowed, "shard 0002"):
-            ran.append(True)
-            raise error
-    return caught.value, bool(ran)
+def decision(ti, allowed):
+    """What the generate task's retry policy tells Airflow after a failure of this try."""
+    context = {"ti": ti, "params": {"generate_retries": allowed}}
+    return tasks.GenerateRetries().evaluate(RuntimeError("server-3 died"), ti.try_number, ti.max_tries, context)
 
 
 def test_generate_retries_per_run_lets_airflow_retry_until_the_params_count_then_fails_for_good():
-    error, ran = run_try(Try(1), allowed=2)
-    assert type(error) is RuntimeError and ran  # Airflow retries it
-    error, _ = run_try(Try(2), allowed=2)
-    assert type(error) is RuntimeError
-    error, _ = run_try(Try(3), allowed=2)  # the second retry: none left
-    assert isinstance(error, AirflowFailException)
-    assert str(error).splitlines()[0] == "server-3 died: 3 of 20 kept"
-    assert "generate_retries is 2" in str(error)
-    error, _ = run_try(Try(1), allowed=0)
-    assert isinstance(error, AirflowFailException)
-
-
-def test_a_try_airflow_starts_past_the_params_retries_fails_at_once_and_a_clear_gives_them_again():
-    error, ran = run_try(Try(2), allowed=0)  # a killed task process, retried by Airflow: not run again
-    assert isinstance(error, AirflowFailException) and not ran
-    assert str(error).startswith("shard 0002 not run again: it already failed 1 of 1 allowed tries")
+    assert [decision(Try(n), allowed=2).action for n in (1, 2, 3)] == \
+        [RetryAction.DEFAULT, RetryAction.DEFAULT, RetryAction.FAIL]
+    assert decision(Try(1), allowed=0).action == RetryAction.FAIL
+    assert "generate_retries is 0" in decision(Try(1), allowed=0).reason
     # Cleared after its 4th try: max_tries = 4 + 10, and the 5th try is the first of a new attempt.
-    error, ran = run_try(Try(5, max_tries=14), allowed=1)
-    assert type(error) is RuntimeError and ran
+    assert decision(Try(5, max_tries=14), allowed=1).action == RetryAction.DEFAULT
+    assert decision(Try(6, max_tries=14), allowed=1).action == RetryAction.FAIL
 
 
-def test_a_failure_that_no_retry_fixes_keeps_its_own_way_out():
-    error, _ = run_try(Try(1), allowed=3, error=AirflowSkipException("drained"))
-    assert isinstance(error, AirflowSkipException)
+def test_a_try_airflow_starts_past_the_params_retries_fails_at_once(run_params):
+    """A killed task process is retried by Airflow without asking the policy: that try fails before sending."""
+    params = run_params(2, generate_retries=0)
+    shard = {"shard": 2, "prompts": 10, "path": "/nonexistent/shard-0002.parquet", "label": "shard 0002"}
+    with pytest.raises(AirflowFailException, match="^shard 0002 not run again: try 1 was killed and this run's "
+                                                   "generate_retries is 0"):
+        tasks.generate(params, "r1", shard, ti=Try(2))
 
 
 def test_no_receiver_configured_sends_nothing_and_a_receiver_down_is_only_a_warning(run_params, caplog):
