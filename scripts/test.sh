@@ -3,9 +3,7 @@
 set -euo pipefail
 source "$(dirname "$0")/env.sh"
 "$ROOT/scripts/setup.sh"
-"$ROOT/scripts/install-chromium.sh"
-"$ROOT/scripts/install-redis.sh"
-"$ROOT/scripts/install-prometheus.sh"
+"$ROOT/scripts/install-test-packages.sh"  # Chromium, redis-server, prometheus, wget (Debian's)
 cd "$ROOT"
 ruff check .
 mypy  # include/, dags/ and plugins/ ([tool.mypy] in pyproject.toml)

@@ -308,7 +308,7 @@ def test_sglangs_own_dashboard_is_downloaded_pinned_into_a_folder_grafana_provis
 
 
 def run_download(dest: Path, url: str, sha256: str) -> subprocess.CompletedProcess:
-    assert shutil.which("wget"), "the download script needs wget (scripts/install-prometheus.sh installs it)"
+    assert shutil.which("wget"), "the download script needs wget (scripts/install-test-packages.sh installs it)"
     return subprocess.run(["sh", str(MONITORING / "download-sglang-dashboard.sh"), str(dest)], check=False,
                           capture_output=True, text=True, timeout=120,
                           env={"PATH": "/usr/bin:/bin", "SGLANG_DASHBOARD_URL": url, "SGLANG_DASHBOARD_SHA256": sha256})

@@ -118,7 +118,7 @@ def prometheus_config(tmp: Path, sglang: list[str], pipeline: str) -> Path:
 @pytest.fixture(scope="module")
 def monitored(tmp_path_factory):
     binary = shutil.which("prometheus")
-    assert binary, "Debian's prometheus is missing: bash scripts/install-prometheus.sh (scripts/test.sh runs it)"
+    assert binary, "Debian's prometheus is missing: bash scripts/install-test-packages.sh (scripts/test.sh runs it)"
     tmp = tmp_path_factory.mktemp("monitoring")
     started = time.time()
     params = {**DEFAULTS, "model_source_dir": "demo", "staging_dir": str(tmp / "model"), "server_command": "emulator",
