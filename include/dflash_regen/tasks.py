@@ -168,8 +168,8 @@ def _published(context, params: dict, run_id: str) -> None:
 
 def _progress(context, params: dict, run_id: str) -> None:
     """A shard ended (generate's success callback, in place of the default one): progress every N hours."""
-    _task_succeeded(context, params, run_id)
-    cfg, wall_s = RunConfig.from_params(params, run_id), _wall_s(context)
+    cfg, wall_s, ti = RunConfig.from_params(params, run_id), _wall_s(context), context["ti"]
+    notify.forget_failure(cfg.layout, ti.task_id, ti.map_index)  # what _task_succeeded does, on the same config
     if wall_s is not None and notify.progress_due(cfg.layout, cfg.notify.notify_progress_h, time.time() - wall_s):
         _send(cfg, notify.progress(run_id, cfg.layout, wall_s, _links(run_id)))
 
