@@ -450,6 +450,8 @@ def lock_pins(path: Path) -> dict[str, str]:
 def test_dockerfile_builds_from_the_locked_airflow_release_and_installs_the_lock():
     text = DOCKERFILE.read_text()
     froms = re.findall(r"^FROM\s+(\S+)", text, flags=re.M)
+    assert froms == ["${AIRFLOW_BASE_IMAGE}"], "one stage, its base a build argument (the rehearsal's stand-in)"
+    froms = re.findall(r"^ARG AIRFLOW_BASE_IMAGE=(\S+)", text, flags=re.M)  # the default: what the node builds on
     assert len(froms) == 1
     m = re.fullmatch(r"apache/airflow:(?:slim-)?(\d+\.\d+\.\d+)-python(3\.\d+)", froms[0])
     assert m, f"pin an official release and Python: {froms[0]}"
