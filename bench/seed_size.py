@@ -29,7 +29,6 @@ import json
 import os
 import random
 import secrets
-import subprocess
 import sys
 import threading
 import time
@@ -150,7 +149,8 @@ class Poller(threading.Thread):
 
         got = {}
         for name, path in PAGES.items():
-            headers = {"Authorization": f"Bearer {self.af.env['DFLASH_METRICS_TOKEN'] if name == 'metrics' else self.af.token()}"}
+            bearer = self.af.env["DFLASH_METRICS_TOKEN"] if name == "metrics" else self.af.token()
+            headers = {"Authorization": f"Bearer {bearer}"}
             t = time.perf_counter()
             r = requests.get(self.af.url + path.format(run=self.run_id), headers=headers, timeout=300)
             got[name] = round(time.perf_counter() - t, 3) if r.status_code == 200 else -r.status_code
@@ -296,7 +296,7 @@ def main() -> None:
                       peak_rss_mb=large["planning"]["peak_rss_mb"])]
     if not args.no_dag:
         lf, sf = large["dag"]["first"], small["dag"]["first"]
-        lr, sr = large["dag"]["rerun"], small["dag"]["rerun"]
+        lr = large["dag"]["rerun"]
         figures.append(figure(11, f"Whole DAG under a scheduler, {n:,} vs {n // 10:,} prompts (first run, to the "
                                   "failed validate)", ratio(lf["wall_s"], sf["wall_s"]), "wall at N / wall at N/10",
                               "10 (linear)", wall_s=lf["wall_s"], small_wall_s=sf["wall_s"]))
