@@ -183,6 +183,17 @@ class LiveAirflow:
             assert r.ok, f"{method} {path}: HTTP {r.status_code} {r.text[:500]}"
         return r
 
+    def delete_run(self, run_id: str, timeout_s: float = 60) -> None:
+        """DELETE a finished run. On SQLite a busy scheduler can hold the write lock past the api-server's wait, and
+        the DELETE answers 500 "Database error" with nothing deleted: asked again until it answers."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            r = self.api("DELETE", f"/api/v2/dags/{DAG_ID}/dagRuns/{run_id}", check=False)
+            if r.ok or r.status_code != 500 or time.monotonic() > deadline:
+                assert r.ok, f"DELETE run {run_id}: HTTP {r.status_code} {r.text[:500]}"
+                return
+            time.sleep(1)
+
     def trigger(self, run_id: str, conf: dict) -> dict:
         return self.api("POST", f"/api/v2/dags/{DAG_ID}/dagRuns",
                         json={"dag_run_id": run_id, "logical_date": None, "conf": conf}).json()

@@ -94,7 +94,7 @@ def test_9_and_10_node_dies_mid_run_the_same_run_id_resumes_and_publish_killed_m
     af.start_component("scheduler")
     af.api("PATCH", f"/api/v2/dags/dflash_regen/dagRuns/{run_id}", json={"state": "failed"})
     assert af.wait_run(run_id, timeout_s=300) == "failed", af.task_states(run_id)
-    af.api("DELETE", f"/api/v2/dags/dflash_regen/dagRuns/{run_id}")
+    af.delete_run(run_id)
     af.trigger(run_id, conf)
 
     # Case 10, on the rerun: publish is killed mid-copy; its own retry publishes once.

@@ -426,7 +426,7 @@ def test_queued_and_early_failed_runs_a_second_root_a_refused_root_and_a_drain_f
     for path in ("fleet", "quality", "fleet.json", "quality.json", "data-docs/index.html"):
         r = af.api("GET", f"/dflash/runs/{outside}/{path}", check=False)
         assert r.status_code == 403 and "DFLASH_SERVED_ROOTS" in r.text, (path, r.status_code, r.text[:300])
-    af.api("DELETE", f"/api/v2/dags/dflash_regen/dagRuns/{outside}")
+    af.delete_run(outside)
 
     # The early run failed at stage_weights: its first line in the list and both tabs.
     af.wait_settled(early, timeout_s=300)
