@@ -19,7 +19,9 @@ from dflash_regen.ui.files import _assignment, _cached, _forget_missing, _json, 
 from dflash_regen.ui.runs import RUNNING_STATES, _first_line, _generate_tis, run_state
 
 THROUGHPUT_POINTS = 60
-SHARDS_LISTED = 50  # beyond this, finished shards are left out of the page's table (fleet.json has them all)
+SHARDS_LISTED = 50  # rows in the page's shard table at most (fleet.json has them all): 903 rows are unreadable
+# The order shards take a row in: what needs the operator first, then what is going on, then what went well.
+LISTING_ORDER = {"failed": 0, "upstream_failed": 0, "lost": 0, "up_for_retry": 1, "running": 2}
 ADVICE_MIN_GAIN = 0.02  # advise a relaunch only when it is predicted at least this much faster
 SLOW_SHARE = 0.75  # a server below this share of the median server's output tok/s is marked slow
 
@@ -348,6 +350,21 @@ def nodes_report(run: Path, shard_rows: list[dict]) -> list[dict]:
     return out
 
 
+def listed_shards(shard_rows: list[dict], limit: int = SHARDS_LISTED) -> tuple[list[dict], dict[str, int]]:
+    """The shard table's rows, at most `limit`: failed first, then up for retry, running, retried, the rest; the
+    slowest first within each (by tok/s of the latest attempt). Returns them in that order and how many of each
+    state are left out."""
+    def rank(row: dict) -> tuple:
+        group = LISTING_ORDER.get(row["state"], 3 if row["attempts"] > 1 else 4)
+        return group, row["tok_s"] if row["tok_s"] is not None else float("inf"), row["shard"]
+
+    ordered = sorted(shard_rows, key=rank)
+    unlisted: dict[str, int] = {}
+    for row in ordered[limit:]:
+        unlisted[row["state"]] = unlisted.get(row["state"], 0) + 1
+    return ordered[:limit], unlisted
+
+
 def fleet_report(run: Path, airflow_run: dict | None = None, now: float | None = None) -> dict:
     now = time.time() if now is None else now
     layout = RunLayout(run)
@@ -380,15 +397,13 @@ def fleet_report(run: Path, airflow_run: dict | None = None, now: float | None =
             by_server.setdefault(name, []).append(arrays)
     merged = {name: (np.concatenate([f for f, _ in parts]), np.concatenate([t for _, t in parts]))
               for name, parts in by_server.items()}
-    listed = shard_rows
-    if len(shard_rows) > SHARDS_LISTED:
-        listed = [r for r in shard_rows if r["state"] not in {"success", "done"} or r["attempts"] > 1]
+    listed, unlisted = listed_shards(shard_rows)
     return {"run": run.name, "run_state": state, "drain": drain_request(layout.drain_request),
             "health_passed": health.get("passed"), "health_error": health.get("error"),
             "smoke_passed": smoke.get("passed"), "smoke_error": smoke.get("error"),
             "smoke_max_tokens": smoke.get("max_tokens"), "servers": servers, "nodes": nodes,
             "progress": progress(run, shard_rows, state, capacity, merged, now),
-            "shards": shard_rows, "shards_listed": listed, "incidents": events,
+            "shards": shard_rows, "shards_listed": listed, "shards_unlisted": unlisted, "incidents": events,
             "throughput": throughput_series(merged, events),
             "kv": kv_headroom(health, capacity), "advice": capacity_advice(capacity), "capacity": capacity,
             "autotune": _json(layout.report("autotune"))}
