@@ -73,3 +73,11 @@ def write_table(table, path: Path) -> None:
     with _whole_or_absent(path, tmp, table.nbytes):  # its size in memory: about what parquet needs, at most
         pq.write_table(table, tmp)
     os.replace(tmp, path)
+
+
+def link(src: Path, dst: Path) -> None:
+    """`dst` becomes a hard link to `src` in one rename (the output root is one filesystem: docs/operations.md)."""
+    tmp = _tmp(dst)
+    tmp.unlink(missing_ok=True)
+    os.link(src, tmp)
+    os.replace(tmp, dst)

@@ -29,7 +29,6 @@ import fcntl
 import hashlib
 import json
 import logging
-import os
 import shutil
 import time
 from dataclasses import replace
@@ -198,11 +197,7 @@ def sync(root: Path) -> int:
                     target = folder / run_dir.name / name
                     if (st.st_dev, st.st_ino) in have or _file_key(path) in rejected:  # the same bad file, any name
                         continue
-                    target.parent.mkdir(parents=True, exist_ok=True)
-                    tmp = target.with_name(f".{name}.tmp")
-                    tmp.unlink(missing_ok=True)
-                    os.link(path, tmp)  # the output root is one filesystem (docs/operations.md): a link, never a copy
-                    os.replace(tmp, target)
+                    atomic.link(path, target)  # a link, never a copy
                     have.add((st.st_dev, st.st_ino))
                     linked += 1
                 if merged.is_file():  # the merge holds every part's rows: the parts' links are superseded
@@ -323,11 +318,7 @@ def _reuse_shard(layout: RunLayout, shard: dict, found: dict[str, tuple[Path, st
         source = next(iter(sources))
         if whole and pq.read_metadata(source).num_rows == len(ids) and \
                 set(pq.read_table(source, columns=["shard"]).column("shard").to_pylist()) == {n}:
-            merged.parent.mkdir(parents=True, exist_ok=True)
-            tmp = merged.with_name(f".{merged.name}.tmp")
-            tmp.unlink(missing_ok=True)
-            os.link(source, tmp)
-            os.replace(tmp, merged)
+            atomic.link(source, merged)
             linked = True
         else:
             write_part(parts, _rows_of(hits, n).to_pylist(), COMPLETION)

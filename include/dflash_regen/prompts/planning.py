@@ -107,6 +107,37 @@ class TokenCounter:
         return len(self._tok.encode(rendered[0]))
 
 
+def _linked_plan(layout: RunLayout, print_: str) -> dict | None:
+    """An earlier run under the same output root planned the same input with the same settings (its plan has this
+    fingerprint): its shards and planning quarantine, hard-linked into this run, instead of reading and counting
+    every prompt again (at 902K prompts that is minutes before any GPU work: docs/benchmarks.md)."""
+    for other in sorted(layout.run_dir.parent.glob("*/shards/plan.json"), key=lambda p: p.stat().st_mtime,
+                        reverse=True):
+        if other == layout.plan:
+            continue
+        try:
+            plan = json.loads(other.read_text())
+        except (OSError, ValueError):
+            continue  # being written by its own run, or damaged: plan from the source instead
+        earlier = RunLayout(other.parent.parent)
+        if plan.get("fingerprint") != print_ or not earlier.planning_quarantine.is_file() or \
+                not all(Path(s["path"]).is_file() for s in plan["shards"]):
+            continue
+        for stale in layout.shard_files():
+            stale.unlink()
+        shards = []
+        for s in plan["shards"]:
+            atomic.link(Path(s["path"]), layout.shard(s["shard"]))
+            shards.append({**s, "path": str(layout.shard(s["shard"]))})
+        atomic.link(earlier.planning_quarantine, layout.planning_quarantine)
+        plan = {**plan, "shards": shards, "linked_from": earlier.run_dir.name}
+        atomic.write_json(layout.plan, plan)
+        log.info("input and planning settings as run %s planned them: its %d shards linked, not re-planned",
+                 earlier.run_dir.name, len(shards))
+        return plan
+    return None
+
+
 def plan_shards(source: Path, layout: RunLayout, settings: PlanSettings) -> dict:
     """Write shards and the planning quarantine; return the plan (shard descriptors and counts)."""
     plan_path, quarantine_path = layout.plan, layout.planning_quarantine
@@ -116,6 +147,8 @@ def plan_shards(source: Path, layout: RunLayout, settings: PlanSettings) -> dict
         if plan.get("fingerprint") == print_ and all(Path(s["path"]).is_file() for s in plan["shards"]):
             log.info("input unchanged since planning: reusing %d shards", len(plan["shards"]))
             return plan
+    if (linked := _linked_plan(layout, print_)) is not None:
+        return linked
     budget = settings.context_length - settings.sampling.max_tokens
     if budget <= 0:
         raise PlanFailed(f"max_tokens {settings.sampling.max_tokens:,} leaves no room for a prompt in context_length "

@@ -1,4 +1,6 @@
 import json
+from dataclasses import replace
+from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
@@ -42,6 +44,20 @@ def test_unchanged_input_reuses_the_recorded_plan(tmp_path):
     mtime = RunLayout(tmp_path).shard(0).stat().st_mtime_ns
     assert plan_shards(src, RunLayout(tmp_path), SETTINGS) == plan
     assert RunLayout(tmp_path).shard(0).stat().st_mtime_ns == mtime
+
+
+def test_a_new_run_on_the_same_input_links_the_earlier_runs_shards_instead_of_planning_again(tmp_path):
+    src = write_rows(tmp_path / "p.jsonl", [user(f"q{i}") for i in range(7)] + ["not json"])
+    first, second = RunLayout.of(tmp_path, "first"), RunLayout.of(tmp_path, "second")
+    plan = plan_shards(src, first, SETTINGS)
+    again = plan_shards(src, second, SETTINGS)
+    assert again["linked_from"] == "first" and again["accepted"] == plan["accepted"] == 7
+    for a, b in zip(plan["shards"], again["shards"], strict=True):
+        assert Path(b["path"]).parent == second.shards_dir and Path(a["path"]).samefile(b["path"])
+    assert first.planning_quarantine.samefile(second.planning_quarantine)
+    assert json.loads(second.plan.read_text())["linked_from"] == "first"
+    other = plan_shards(src, RunLayout.of(tmp_path, "third"), replace(SETTINGS, shard_size=2))  # other settings
+    assert "linked_from" not in other and [s["prompts"] for s in other["shards"]] == [2, 2, 2, 1]
 
 
 def test_bad_duplicate_and_over_long_rows_are_quarantined_and_counts_reconcile(tmp_path):
