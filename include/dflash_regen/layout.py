@@ -11,7 +11,7 @@
       failures/         plan.parquet, shard-XXXXX.parquet, shard-XXXXX/part-*.parquet (schemas.QUARANTINE)
       status/           shard-XXXXX.json (generate/status.py)
       drain.json        the operator's drain request (generate/shard.py request_drain)
-      tokenized/        shard-XXXXX.parquet, summary-XXXXX.parquet, conversations-XXXXX.jsonl
+      tokenized/        shard-XXXXX.parquet, summary-XXXXX.parquet, conversations-XXXXX.jsonl, inputs-XXXXX.json
       quality/          quarantine.parquet                                          (schemas.GATE_QUARANTINE)
       reports/          <name>.json, data_docs/, nodes/<node>/<name>.json
       autotune/[<node>/] candidate-<i>/ (a one-server fleet directory each)
@@ -301,6 +301,10 @@ class RunLayout:
 
     def conversations(self, shard: int) -> Path:
         return self.tokenized_dir / f"conversations-{shard:05d}.jsonl"
+
+    def tokenized_inputs(self, shard: int) -> Path:
+        """What the shard's tokenized files were made from, as a key another run can match (training/reuse.py)."""
+        return self.tokenized_dir / f"inputs-{shard:05d}.json"
 
     def tokenized_files(self) -> list[Path]:
         return sorted(self.tokenized_dir.glob(f"{_SHARD}*.parquet"))

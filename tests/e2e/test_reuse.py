@@ -2,9 +2,9 @@
 completion store, checked against the emulated servers' own access logs (every chat request a server answered).
 
 One test, four runs of the whole DAG (`dag.test`) on 2 emulated servers, calibration and autotune off:
-A publishes; B changes only a gate Param and never starts a server; C adds 30 prompts and finds one of A's stored
-files cut short: it says so, and sends exactly the 30 and that file's samples; D changes the temperature and sends
-everything, its plan report saying why.
+A publishes; B changes only a gate Param, never starts a server, and links A's shards and tokenized files; C adds
+30 prompts and finds one of A's stored files cut short: it says so, and sends exactly the 30 and that file's
+samples; D changes the temperature and sends everything, its plan report saying why.
 """
 
 import json
@@ -44,6 +44,10 @@ def completions(conf, dag_run) -> dict[str, dict]:
 
 def published_ids(manifest_dir: Path) -> list[str]:
     return sorted(pq.read_table(manifest_dir / "tokenized", columns=["sample_id"]).column("sample_id").to_pylist())
+
+
+def tokenized(run, shard: int) -> tuple[Path, Path, Path]:
+    return run.tokenized(shard), run.summary(shard), run.conversations(shard)
 
 
 def test_reruns_reuse_completions_by_fingerprint_and_send_only_what_is_missing(dag, run_params, tmp_path,
@@ -95,6 +99,12 @@ def test_reruns_reuse_completions_by_fingerprint_and_send_only_what_is_missing(d
     assert {p.stat().st_ino for p in run.merged_files(COMPLETIONS)} == a_inodes
     listed = store.listing(Path(conf_a["output_root"]))
     assert len(listed) == 1 and listed[0]["own_bytes"] == 0 and listed[0]["samples"] == accepted
+    # Nor planned or tokenized twice: B's shards and tokenized files are A's (same input, same settings).
+    layout_a = layout_of(conf_a, run_a)
+    assert json.loads(run.plan.read_text())["linked_from"] == a_id
+    assert all(p.samefile(q) for p, q in zip(layout_a.shard_files(), run.shard_files(), strict=True))
+    assert all(tokenized(layout_a, n)[i].samefile(tokenized(run, n)[i])
+               for n in range(len(run.shard_files())) for i in range(3))
 
     # C: 30 more prompts, and one store file cut short (a partial file): it is not reused, the report names it, and
     # exactly the 30 new prompts and the samples of that file no other stored file holds are sent.
@@ -129,6 +139,9 @@ def test_reruns_reuse_completions_by_fingerprint_and_send_only_what_is_missing(d
     assert sum(r["source_run"] == a_id for r in c.values()) == accepted - len(lost)
     assert {sid for sid, r in c.items() if r["source_run"] == safe_run_id(run_c.run_id)} == lost | new
     check_invariants(conf_c, run_c, published=True)
+    # Only the shard whose prompts and completions are A's own keeps A's tokenized files.
+    layout_c = layout_of(conf_c, run_c)
+    assert [tokenized(layout_c, n)[0].samefile(tokenized(layout_a, n)[0]) for n in range(3)] == [False, True, False]
 
     # D: another temperature changes the fingerprint: every prompt is sent, and the plan report says why.
     conf_d = {**conf_c, "temperature": 0.7, "dataset_name": "d"}

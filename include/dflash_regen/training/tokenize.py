@@ -28,6 +28,7 @@ from dflash_regen.layout import COMPLETIONS, RunLayout
 from dflash_regen.schemas import SUMMARY, TOKENIZED
 from dflash_regen.settings.run_config import RunConfig
 from dflash_regen.sglang.api import Dialect
+from dflash_regen.training import reuse
 
 log = logging.getLogger(__name__)
 
@@ -144,8 +145,19 @@ def tokenize_completions(cfg: RunConfig, shard: int, completions: Path | None, m
     if not completions.is_file():
         raise NotRetryable(f"shard {shard} has no completions at {completions} and its generate did not run "
                            "(skipped); clear plan_shards with Downstream to plan and generate the run again")
-    return tokenize_shard(cfg.layout.shard(shard), completions, cfg.layout, shard, load_tokenizer(model_dir),
-                          include_reasoning=cfg.mask_reasoning, dialect=served_dialect(cfg, completions))
+    dialect = served_dialect(cfg, completions)
+    key = reuse.inputs_key(cfg.layout.shard(shard), completions,
+                           reuse.settings_key(model_dir, cfg.mask_reasoning, dialect))
+    done = all(p.is_file() for p in (cfg.layout.tokenized(shard), cfg.layout.summary(shard),
+                                      cfg.layout.conversations(shard)))
+    if not done and (earlier := reuse.link_earlier(cfg.layout, shard, key)):
+        return {"shard": shard, "samples": pq.read_metadata(cfg.layout.tokenized(shard)).num_rows, "skipped": True,
+                "linked_from": earlier}
+    result = tokenize_shard(cfg.layout.shard(shard), completions, cfg.layout, shard, load_tokenizer(model_dir),
+                            include_reasoning=cfg.mask_reasoning, dialect=dialect)
+    if not cfg.layout.tokenized_inputs(shard).is_file():
+        reuse.record_key(cfg.layout, shard, key)
+    return result
 
 
 def served_dialect(cfg: RunConfig, completions: Path | None = None) -> Dialect | None:
