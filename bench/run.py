@@ -18,7 +18,7 @@ from benchlib import BENCH, machine, parser
 
 # In figure order.
 BENCHMARKS = ["fleet_utilisation", "process_cost", "airflow_overhead", "tokenize_and_validate",
-              "staging_and_launch", "resume", "autotune_budget", "reuse"]
+              "staging_and_launch", "resume", "autotune_budget", "reuse", "seed_size"]
 
 
 def raw_text(raw: dict) -> str:

@@ -227,7 +227,8 @@ def dag_runs(work: Path, prompts: Path, n: int, poll_s: float) -> dict:
                         emulator_faults={"*": {"loop_rate": LOOP_SHARE}}, max_truncated_share=LOOP_SHARE / 4,
                         max_bad_sample_share=0.05, max_repetition_score=1.0, checkpoint_every=250)
     result: dict = {}
-    af.start(timeout_s=600)
+    template = os.environ.get("DFLASH_BENCH_AIRFLOW_DB")  # a migrated DB to copy (tests/conftest.py's)
+    af.start(timeout_s=600, db=Path(template) if template else None)
     try:
         for label, conf in [("first", params), ("rerun", {**params, "max_truncated_share": 0.05})]:
             run_id = f"seed_{label}_{n}"
@@ -241,14 +242,12 @@ def dag_runs(work: Path, prompts: Path, n: int, poll_s: float) -> dict:
             poller.join()
             af.wait_settled(run_id, timeout_s=600)
             after = poller.fetch_all()
-            tis = []
-            offset = 0
-            while True:  # every task instance, 500 at a time
+            tis: list[dict] = []
+            while True:  # every task instance: the API answers at most 100 a page, whatever the limit asked
                 page = af.api("GET", f"/api/v2/dags/dflash_regen/dagRuns/{run_id}/taskInstances",
-                              params={"limit": 500, "offset": offset}).json()
+                              params={"limit": 100, "offset": len(tis)}).json()
                 tis += page["task_instances"]
-                offset += 500
-                if offset >= page["total_entries"]:
+                if not page["task_instances"] or len(tis) >= page["total_entries"]:
                     break
             result[label] = {"state": state, "wall_s": round(wall, 1), "stages": stages(tis, poller.rss),
                              "scheduling": scheduling(tis) if label == "first" else None,
@@ -284,7 +283,7 @@ def main() -> None:
     ap.add_argument("--poll-s", type=float, default=20.0)
     ap.add_argument("--no-dag", action="store_true", help="the pieces only (planning), not the DAG")
     args = ap.parse_args()
-    n = 2_000 if args.quick else args.prompts
+    n = 1_000 if args.quick else args.prompts
     sizes = {"small": one_size(n // 10, args.poll_s, not args.no_dag)}
     (args.out / "seed_size.partial.json").parent.mkdir(parents=True, exist_ok=True)
     (args.out / "seed_size.partial.json").write_text(json.dumps(sizes, indent=1))

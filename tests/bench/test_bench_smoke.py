@@ -1,8 +1,9 @@
 """`bench/run.py --quick` runs the benchmarks at tiny sizes and reports every figure, so the benchmarks
 cannot rot. The figures themselves are not checked: timings belong to `make bench`, never to tests.
 
-Two runs, so the two pytest workers share them: `airflow_overhead`, `resume` and `reuse` (figures 3, 7 and 9,
-whose cost at --quick sizes is all process starts, fleet launches and whole DAG runs), and the rest.
+Three runs, so the pytest workers share them: `airflow_overhead`, `resume` and `reuse` (figures 3, 7 and 9,
+whose cost at --quick sizes is all process starts, fleet launches and whole DAG runs); `seed_size` (figures 10-12:
+the whole DAG under a real scheduler, twice per size); and the rest.
 """
 
 import json
@@ -15,6 +16,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 APART = {"airflow_overhead": 3, "resume": 7, "reuse": 9}  # benchmark -> its figure: the second run
+SEED_SIZE = {"seed_size": (10, 11, 12)}  # the third
 
 
 def benchmarks() -> list[str]:
@@ -24,10 +26,13 @@ def benchmarks() -> list[str]:
     return BENCHMARKS
 
 
-@pytest.mark.parametrize("apart", [False, True], ids=["most", "overhead-and-resume"])
-def test_quick_bench_reports_every_figure_with_raw_numbers_and_a_ratio(tmp_path, apart, airflow_db_template):
-    assert APART.keys() < set(benchmarks())
-    only = [b for b in benchmarks() if (b in APART) == apart]
+@pytest.mark.parametrize("group", ["most", "overhead-and-resume", "seed-size"])
+def test_quick_bench_reports_every_figure_with_raw_numbers_and_a_ratio(tmp_path, group, airflow_db_template):
+    assert APART.keys() < set(benchmarks()) and SEED_SIZE.keys() < set(benchmarks())
+    groups = {"overhead-and-resume": set(APART.values()), "seed-size": set(SEED_SIZE["seed_size"])}
+    groups["most"] = set(range(1, 13)) - groups["overhead-and-resume"] - groups["seed-size"]
+    only = {"overhead-and-resume": list(APART), "seed-size": list(SEED_SIZE),
+            "most": [b for b in benchmarks() if b not in APART and b not in SEED_SIZE]}[group]
     env = {**os.environ, "DFLASH_BENCH_AIRFLOW_DB": str(airflow_db_template)}  # not a second `airflow db migrate`
     done = subprocess.run([sys.executable, str(ROOT / "bench" / "run.py"), "--quick", "--out", str(tmp_path),
                            "--only", *only], capture_output=True, text=True, timeout=900, check=False, env=env)
@@ -35,7 +40,7 @@ def test_quick_bench_reports_every_figure_with_raw_numbers_and_a_ratio(tmp_path,
     report = json.loads((tmp_path / "latest.json").read_text())
     assert report["quick"] and report["machine"]["cores"] >= 1
     figures = report["figures"]
-    expected = set(APART.values()) if apart else set(range(1, 10)) - set(APART.values())
+    expected = groups[group]
     assert {f["figure"] for f in figures} == expected
     for f in figures:
         assert f["name"] and f["ratio_of"] and f["ideal"] and "ratio" in f, f
