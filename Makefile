@@ -12,3 +12,9 @@ lint:
 	.venv/bin/mypy
 airflow:  ## start a local Airflow with the DAG and the report pages, print URL and login
 	bash scripts/airflow.sh
+
+.PHONY: sglang-locks check-sglang-locks
+sglang-locks:  ## refresh SGLang's venv locks, deploy/sglang-locks/ (today's packages; docs/sglang-versions.md)
+	bash scripts/lock-sglang-venv.sh
+check-sglang-locks:  ## each lock resolves again to the same pins (also in the tests: tests/deploy/test_sglang_locks.py)
+	bash scripts/lock-sglang-venv.sh --check

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Build SGLang's own venv on the GPU node, on a LOCAL disk (the seed's imports hung on a network mount), from that
-# version's lock: deploy/sglang-locks/sglang-V.lock, every package pinned (scripts/lock-sglang-venv.sh writes it).
+# version's lock: sglang-V.lock in deploy/sglang-locks/, every package pinned (scripts/lock-sglang-venv.sh writes it).
 # Usage: scripts/build-sglang-venv.sh [/opt/sglang-venv]   (env SGLANG_VERSION, default 0.5.16)
 # Then set Param server_command (or env DFLASH_SERVER_COMMAND) to: <venv>/bin/python -m sglang.launch_server
 # Refuses, before it installs anything, a version without a lock and a glibc older than the lock's header names.

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# SGLang's venv locks: deploy/sglang-locks/sglang-V.lock, every package of `sglang[all]==V` pinned for the GPU node
-# (Linux x86_64, glibc >= GLIBC, Python PYTHON), from the index uv is configured with and wheels only.
+# SGLang's venv locks: sglang-V.lock in deploy/sglang-locks/, every package of `sglang[all]==V` pinned for the GPU
+# node (Linux x86_64, glibc >= GLIBC, Python PYTHON), from the index uv is configured with and wheels only.
 # scripts/build-sglang-venv.sh installs one of them (uv pip sync) and reads its header (glibc, python).
 #   scripts/lock-sglang-venv.sh [VERSION ...]          refresh (make sglang-locks): the packages on the index now
 #                                                      (EXCLUDE_NEWER=2026-12-01T00:00:00Z picks another cut-off)
