@@ -11,15 +11,18 @@ UV_VERSION=0.13.8
 LOCKS="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)/deploy/sglang-locks"
 LOCK="$LOCKS/sglang-$SGLANG_VERSION.lock"
 if [ ! -f "$LOCK" ]; then
-  have=$(cd "$LOCKS" 2>/dev/null && ls sglang-*.lock 2>/dev/null | sed 's/^sglang-//; s/\.lock$//' | paste -sd' ' || true)
+  have=$(cd "$LOCKS" 2>/dev/null && ls sglang-*.lock 2>/dev/null | sed 's/^sglang-//; s/\.lock$//' | paste -sd' ' \
+         || true)
   echo "refusing: no lock for SGLang $SGLANG_VERSION in $LOCKS (locked: ${have:-none}); set SGLANG_VERSION to a" \
-       "locked version, or lock this one first: scripts/lock-sglang-venv.sh $SGLANG_VERSION (docs/sglang-versions.md)" >&2
+       "locked version, or lock this one first: scripts/lock-sglang-venv.sh $SGLANG_VERSION" \
+       "(docs/sglang-versions.md)" >&2
   exit 2
 fi
 need=$(sed -n 's/^# glibc: //p' "$LOCK" | head -1)
 python=$(sed -n 's/^# python: //p' "$LOCK" | head -1)
 if ! [[ "$need" =~ ^[0-9]+\.[0-9]+$ ]] || [ -z "$python" ]; then
-  echo "refusing: $LOCK names no glibc or python in its header; rewrite it: scripts/lock-sglang-venv.sh $SGLANG_VERSION" >&2
+  echo "refusing: $LOCK names no glibc or python in its header;" \
+       "rewrite it: scripts/lock-sglang-venv.sh $SGLANG_VERSION" >&2
   exit 2
 fi
 # The C library this venv will run on (in the image: the image's). SGLANG_VENV_GLIBC stands in for it (tests).
@@ -44,7 +47,9 @@ if ! command -v uv >/dev/null 2>&1 || [ "$(uv --version | cut -d' ' -f2)" != "$U
   python3 -m pip install --quiet "uv==$UV_VERSION"
 fi
 echo "SGLang $SGLANG_VERSION from $LOCK ($(sed -n 's/^# packages: //p' "$LOCK") packages; glibc $found >= $need)"
-uv venv --python "$python" "$VENV"
+# Again after a lock refresh or another SGLANG_VERSION: the same venv, made exactly the new lock (sync removes
+# the rest).
+uv venv --allow-existing --python "$python" "$VENV"
 # Exactly the lock: nothing resolved, wheels only, and the venv checked complete afterwards.
 VIRTUAL_ENV="$VENV" uv pip sync --strict --only-binary :all: "$LOCK"
 time "$VENV/bin/python" -c "import sglang, sglang.srt.server_args; print('sglang', sglang.__version__)"

@@ -31,9 +31,9 @@ LOCK_SCRIPT = ROOT / "scripts" / "lock-sglang-venv.sh"
 BUILD_SCRIPT = ROOT / "scripts" / "build-sglang-venv.sh"
 VERSIONS = sorted(p.name[len("sglang-"):-len(".lock")] for p in LOCKS.glob("sglang-*.lock"))
 PIN = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==(\S+)$", re.M)
-# Registry hosts and index options: a lock names packages and versions, never where they come from.
-NO_SOURCES = re.compile(r"://|pypi|pythonhosted|pytorch\.org|flashinfer\.ai|^\s*-[-\w]*(?:index|find-links)",
-                        re.I | re.M)
+# URLs, host names and index options: a lock names packages and versions, never where they come from.
+NO_SOURCES = re.compile(r"://|\b[\w-]+\.(?:org|com|io|ai|net|dev)\b"
+                        r"|^\s*-[-\w]*(?:index|find-links|trusted-host)|^\s*-[if]\s", re.I | re.M)
 
 
 def header(lock: Path) -> dict[str, str]:
@@ -130,7 +130,9 @@ STUB_UV = """#!/bin/sh
 echo "$*" >> "$STUB_LOG"
 case "$1" in
   --version) echo "uv 0.13.8";;
-  venv) mkdir -p "$4/bin"; printf '#!/bin/sh\\necho sglang stub\\n' > "$4/bin/python"; chmod +x "$4/bin/python";;
+  venv) for a; do venv=$a; done  # the last argument
+        mkdir -p "$venv/bin"; printf '#!/bin/sh\\necho sglang stub\\n' > "$venv/bin/python"
+        chmod +x "$venv/bin/python";;
 esac
 """
 
@@ -160,7 +162,7 @@ def test_the_build_syncs_the_asked_versions_lock(version, tmp_path, stub_uv):
     assert f"glibc {here} >= {header(LOCKS / f'sglang-{version}.lock')['glibc']}" in result.stdout
     calls = log.read_text().splitlines()
     lock = LOCKS / f"sglang-{version}.lock"
-    assert f"venv --python 3.11 {venv}" in calls
+    assert f"venv --allow-existing --python 3.11 {venv}" in calls  # a rebuild syncs the venv that is there
     assert f"pip sync --strict --only-binary :all: {lock}" in calls
     assert not [c for c in calls if c.startswith(("pip install", "pip compile"))]
 
