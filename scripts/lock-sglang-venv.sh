@@ -3,7 +3,8 @@
 # node (Linux x86_64, glibc >= GLIBC, Python PYTHON), from the index uv is configured with and wheels only.
 # scripts/build-sglang-venv.sh installs one of them (uv pip sync) and reads its header (glibc, python).
 #   scripts/lock-sglang-venv.sh [VERSION ...]          refresh (make sglang-locks): the packages on the index now
-#                                                      (EXCLUDE_NEWER=2026-12-01T00:00:00Z picks another cut-off)
+#                                                      (EXCLUDE_NEWER=2026-12-01T00:00:00Z picks another cut-off;
+#                                                      without it, a lock whose pins did not change is kept)
 #   scripts/lock-sglang-venv.sh --check [VERSION ...]  resolve each lock again with its own header's inputs
 #                                                      (cut-off included) and exit 1 if any pin differs
 # No VERSION: every lock there. A new VERSION writes a new lock; commit it with the docs' list
@@ -67,6 +68,10 @@ for version in "${versions[@]}"; do
     mkdir -p "$LOCKS"
     tmp="$(mktemp "$LOCKS/.sglang-$version.XXXXXX")"
     lock "$version" "$GLIBC" "$PYTHON" "${EXCLUDE_NEWER:-$(date -u +%Y-%m-%dT%H:%M:%SZ)}" "$tmp"
+    if [ -z "${EXCLUDE_NEWER:-}" ] && [ -f "$file" ] && [ "$(field glibc "$file")" = "$GLIBC" ] \
+       && [ "$(field python "$file")" = "$PYTHON" ] && [ "$(pins "$file")" = "$(pins "$tmp")" ]; then
+      rm -f "$tmp"; echo "kept $file: the same pins today"; continue  # no new date without a new pin
+    fi
     chmod 644 "$tmp" && mv "$tmp" "$file"
     echo "wrote $file ($(field packages "$file") packages)"
     continue
