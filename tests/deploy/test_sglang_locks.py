@@ -1,7 +1,8 @@
 """SGLang's venv for the GPU node is locked: sglang-V.lock in deploy/sglang-locks/, one per version the docs name.
 
 - each lock is current: scripts/lock-sglang-venv.sh --check resolves it again from its header's inputs (the
-  requirement, platform, Python and cut-off date) and gets the same pins; a changed pin is caught;
+  requirement, platform, Python and cut-off date) and gets the same pins; a changed pin is caught; the refresh
+  (make sglang-locks), given a lock's cut-off date, writes that lock again byte for byte;
 - each names the glibc the node needs, and needs it: one minor release below, the same pins do not resolve;
 - each installs on a real Linux x86_64 with glibc >= its floor and Python 3.11 (this machine), wheels only
   (`uv pip sync --dry-run`: the index answers for every pin; nothing is downloaded);
@@ -93,6 +94,16 @@ def test_a_changed_pin_is_caught(tmp_path):
     assert result.returncode == 1, result.stdout + result.stderr
     assert "< torch==2.0.0" in result.stderr and f"> torch=={torch}" in result.stderr
     assert "refresh it" in result.stderr
+
+
+def test_the_refresh_writes_the_lock_again(tmp_path):
+    """make sglang-locks' script, given the newest lock's own cut-off date, writes that lock byte for byte."""
+    lock = LOCKS / f"sglang-{NEWEST_CHECKED}.lock"
+    result = run(["bash", str(LOCK_SCRIPT), NEWEST_CHECKED],
+                 env={"SGLANG_LOCKS_DIR": str(tmp_path), "EXCLUDE_NEWER": header(lock)["exclude-newer"]})
+    assert result.returncode == 0, result.stderr
+    assert (tmp_path / lock.name).read_text() == lock.read_text()
+    assert [p.name for p in tmp_path.iterdir()] == [lock.name]  # no temporary file left
 
 
 @pytest.mark.parametrize("version", VERSIONS)
