@@ -9,7 +9,7 @@
 - scripts/build-sglang-venv.sh (the real script) syncs exactly the asked version's lock, and refuses a version
   without a lock and an older glibc before it installs anything.
 
-Resolving takes ~6-13 s per lock (246 and 248 packages; uv's metadata requests, cold cache included), so these
+Resolving takes 6-22 s per lock (246 and 248 packages; uv's metadata requests, cold cache as fast), so these
 run with the rest of the suite. They need the package index, as the contract tests do.
 """
 
