@@ -26,7 +26,11 @@ if ! [[ "$need" =~ ^[0-9]+\.[0-9]+$ ]] || [ -z "$python" ]; then
   exit 2
 fi
 # The C library this venv will run on (in the image: the image's). SGLANG_VENV_GLIBC stands in for it (tests).
-found="${SGLANG_VENV_GLIBC-$(getconf GNU_LIBC_VERSION 2>/dev/null | sed -n 's/^glibc //p' || true)}"
+glibc_here() {  # "glibc 2.36" -> 2.36; nothing on another C library (musl)
+  { getconf GNU_LIBC_VERSION 2>/dev/null \
+    || python3 -c "import os; print(os.confstr('CS_GNU_LIBC_VERSION') or '')" 2>/dev/null; } | sed -n 's/^glibc //p'
+}
+found="${SGLANG_VENV_GLIBC-$(glibc_here || true)}"
 older() {  # older A B: MAJOR.MINOR A is below B
   local a=${1#*.} b=${2#*.}
   (( ${1%%.*} < ${2%%.*} || (${1%%.*} == ${2%%.*} && ${a%%.*} < ${b%%.*}) ))
