@@ -166,7 +166,7 @@ def served_dialect(cfg: RunConfig, completions: Path | None = None) -> Dialect |
     path = cfg.layout.node_report("health")
     paths = [path]
     if not path.is_file() and completions is not None and completions.is_file():
-        sources = set(pq.read_table(completions, columns=["source_run"]).column("source_run").to_pylist())
+        sources = set(pq.ParquetFile(completions).read(columns=["source_run"]).column("source_run").to_pylist())
         paths = [RunLayout.of(cfg.output_root, run, cfg.node).node_report("health") for run in sorted(sources) if run]
     servers = [s for p in paths if p.is_file() for s in json.loads(p.read_text())["servers"]]
     versions = sorted({s["version"] for s in servers if s.get("version")})
