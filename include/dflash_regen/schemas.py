@@ -38,13 +38,17 @@ COMPLETION = pa.schema([
     ("reasoning_parser", pa.string()), ("think_marker_leak", pa.bool_()), ("empty_content", pa.bool_()),
     ("assistant_turns", pa.string()), ("truncated_at_train_length", pa.bool_()),
     ("source_run", pa.string()), ("prompt_digest", pa.string()),
+    ("server_prompt_ids", pa.list_(pa.field("element", pa.int32()))),
+    ("server_output_ids", pa.list_(pa.field("element", pa.int32()))),
 ])
 """One generated sample (`completions/shard-XXXXX.parquet` and its checkpoint parts): the answer (reasoning,
 content, tool calls as JSON text), how it ended and its token usage, the server that answered, the request's
 latency, attempt count and sampling params, flags for a leaked `<think>` marker or an empty answer, every
 assistant turn of a tool-call round (JSON text), whether Param budget train_length cut it, the run that generated
 it (`source_run`: an earlier run's for a completion the store supplied) and the digest of the prompt it answers
-(`prompts.formats.prompt_digest`, the store's check)."""
+(`prompts.formats.prompt_digest`, the store's check), and the token ids the server reported for the last request's
+prompt and output where its version returns them (`sglang.Dialect.token_ids_request`; null otherwise, and in files
+written before them)."""
 
 TOKENIZED = pa.schema([
     ("sample_id", pa.string()), ("input_ids", pa.list_(pa.field("element", pa.int32()))),

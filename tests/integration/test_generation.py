@@ -75,6 +75,28 @@ def test_a_shard_completes_once_with_the_generation_mode_recorded(launch, tmp_pa
     assert again["generated_now"] == 0 and again["completed"] == 40  # a finished shard is not redone
 
 
+@pytest.mark.parametrize("version", ["0.5.16", "0.5.23"])
+def test_the_servers_token_ids_are_kept_where_the_version_streams_them(launch, tmp_path, version):
+    """0.5.20+ streams the prompt's and the output's ids (sglext); 0.5.13-0.5.19 refuse them with `stream`, so the
+    streaming generate asks nothing there and the columns stay null."""
+    from conftest import FAST_PROFILE
+
+    from dflash_regen.emulator import model as emulated
+
+    cfg, _, key = launch(num_servers=1, emulator_profile={**FAST_PROFILE, "sglang_version": version})
+    shard = plan(cfg, tmp_path, n=8, shard_size=8)["shards"][0]
+    result, _ = run_shard(cfg, key, shard)
+    rows = pq.read_table(result["path"]).to_pylist()
+    if version == "0.5.16":
+        assert all(r["server_prompt_ids"] is None and r["server_output_ids"] is None for r in rows)
+        return
+    for r in rows:
+        assert len(r["server_prompt_ids"]) == r["prompt_tokens"]
+        out = r["server_output_ids"]
+        assert len(out) == r["completion_tokens"] and out[-1] == emulated.IM_END  # `<|im_end|>` counted
+        assert emulated.decode(out).startswith(r["reasoning_content"].strip()[:40])
+
+
 def test_leases_are_exclusive_and_a_dead_server_is_not_leased(launch):
     cfg, servers, _ = launch(num_servers=2)
     with ExitStack() as first_hold, ExitStack() as second_hold:
