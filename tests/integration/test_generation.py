@@ -105,8 +105,8 @@ def test_on_0_5_23_the_published_last_turns_are_the_models_ids_and_a_wrong_promp
 
     from dflash_regen import quality
     from dflash_regen.chat.template import load_tokenizer
-    from dflash_regen.emulator import model as emulated
     from dflash_regen.demo.model import default_tokenizer_cache, write_demo_model
+    from dflash_regen.emulator import model as emulated
     from dflash_regen.settings.params import defaults
     from dflash_regen.sglang.api import Dialect
     from dflash_regen.training.tokenize import tokenize_shard
