@@ -46,9 +46,9 @@ content, tool calls as JSON text), how it ended and its token usage, the server 
 latency, attempt count and sampling params, flags for a leaked `<think>` marker or an empty answer, every
 assistant turn of a tool-call round (JSON text), whether Param budget train_length cut it, the run that generated
 it (`source_run`: an earlier run's for a completion the store supplied) and the digest of the prompt it answers
-(`prompts.formats.prompt_digest`, the store's check), and the token ids the server reported for the last request's
-prompt and output where its version returns them (`Dialect.token_ids_request`, sglang/api.py; null otherwise, and in files
-written before them)."""
+(`prompts.formats.prompt_digest`, the store's check), and the token ids the server reported for the last
+request's prompt and output where its version returns them (`Dialect.token_ids_request`, sglang/api.py; null
+otherwise, and in files written before them)."""
 
 TOKENIZED = pa.schema([
     ("sample_id", pa.string()), ("input_ids", pa.list_(pa.field("element", pa.int32()))),
