@@ -182,8 +182,9 @@ top_p {manifest['config'].get('top_p')}, max_tokens {manifest['config'].get('max
 | output tokens | {t['output']:,} |
 | total tokens (prompt + output) | {t['total']:,} |
 
-{_budget_note(manifest)}{_rerender_note(manifest)}{_token_ids_note(manifest)}Input formats: {_counts(source.get('formats'))}. Repairs made to
-the input (by kind, over the planned prompts): {_counts(source.get('repairs'))}.
+{_budget_note(manifest)}{_rerender_note(manifest)}{_token_ids_note(manifest)}Input formats: \
+{_counts(source.get('formats'))}. Repairs made to the input (by kind, over the planned prompts): \
+{_counts(source.get('repairs'))}.
 
 Files: `conversations.jsonl` (SpecForge training format; every row has `id`, `conversations` and `tools`,
 and every turn `role`, `content`, `reasoning_content`, `tool_calls`, `tool_call_id`, empty when unused; `tools`
