@@ -228,10 +228,12 @@ def _token_ids_note(manifest: dict) -> str:
             f"compared with the server's prompt token ids, {ids.get('prompt_ids_mismatch', 0):,} differ (within Param "
             f"max_prompt_ids_mismatch_share). {ids.get('token_exact', 0):,} last assistant turns in `tokenized/` are "
             "the model's own output ids (through `<|im_end|>`, then the template's `\\n`), not a re-render. A trainer "
-            f"that re-renders `conversations.jsonl` gets other ids for {differ:,} of {drift.get('compared', 0):,} "
-            f"of those turns: {drift.get('whitespace', 0):,} by whitespace, {drift.get('tool_value', 0):,} by "
-            f"tool-call values re-typed, {drift.get('other', 0):,} other; train from `tokenized/` for the model's "
-            "tokens.\n\n")
+            f"re-rendering those turns from their parsed fields gets other ids for {differ:,} of "
+            f"{drift.get('compared', 0):,}: {drift.get('whitespace', 0):,} by whitespace, "
+            f"{drift.get('tool_value', 0):,} by tool-call values re-typed, {drift.get('other', 0):,} other. `conversations.jsonl` carries the raw "
+            "tool-call text where a value was re-typed, so a trainer re-rendering it (SpecForge's online path) gets "
+            f"the model's ids on {ids.get('record_exact', 0):,} of them; whitespace the chat template normalizes "
+            "cannot be carried: train from `tokenized/` for the model's own tokens.\n\n")
 
 
 def _counts(counts: dict | None) -> str:
@@ -304,7 +306,7 @@ def publish_run(layout: RunLayout, dest: Path, plan: dict, quality: dict, config
         # Held against the servers' own token ids (training/tokenize.py server_ids_check): prompts compared and
         # differing, last turns published token-exact, and the re-render's drift from them by cause.
         "token_ids": {k: quality[k] for k in ("prompt_ids_compared", "prompt_ids_mismatch", "token_exact",
-                                              "rerender_drift") if k in quality},
+                                              "record_exact", "rerender_drift") if k in quality},
         "servers": servers, "quality": {k: quality[k] for k in ("success", "statistics", "expectations")},
         "input": {"source": plan["source"], "fingerprint": plan["fingerprint"], "formats": plan.get("formats", {}),
                   "repairs": plan.get("repairs", {})},

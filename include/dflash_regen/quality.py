@@ -101,11 +101,11 @@ def expectations(s: QualitySettings, expected_rows: int):
         # The re-rendered answer is the server's own output (nulls, where no comparison holds, are not counted).
         gxe.ExpectColumnValuesToBeInSet(column="rerender_token_delta", value_set=[0],
                                         mostly=1.0 - s.max_rerender_drift_share),
-        # Where the server reported ids: its prompt is ours (null: none reported), and the re-render of the last
-        # turn (what a trainer re-rendering `conversations` gets) is the model's own ids.
+        # Where the server reported ids: its prompt is ours (null: none reported), and the published record's
+        # re-render (what a trainer re-rendering `conversations` gets) is the model's own ids.
         gxe.ExpectColumnValuesToBeInSet(column="prompt_ids_match", value_set=[True],
                                         mostly=1.0 - s.max_prompt_ids_mismatch_share),
-        gxe.ExpectColumnValuesToBeInSet(column="rerender_drift", value_set=["none"],
+        gxe.ExpectColumnValuesToBeInSet(column="record_exact", value_set=[True],
                                         mostly=1.0 - s.max_rerender_drift_share),
     ]
 
@@ -205,6 +205,8 @@ def server_ids_counts(rows: list[dict]) -> dict:
             "prompt_ids_mismatch_samples": sorted(r["sample_id"] for r in rows if r.get("prompt_ids_match") is False
                                                   )[:20],
             "token_exact": sum(bool(r.get("token_exact")) for r in rows),
+            # Of those, the published `conversations` record re-renders to the same ids (SpecForge's online path).
+            "record_exact": sum(r.get("record_exact") is True for r in rows),
             "rerender_drift": {"compared": sum(drift.values()),
                                **{cause: drift.get(cause, 0) for cause in ("whitespace", "tool_value", "other")}}}
 

@@ -69,6 +69,7 @@ SUMMARY = pa.schema([
     ("history_from_input", pa.bool_()), ("truncated_at_train_length", pa.bool_()),
     ("rerender_token_delta", pa.int32()),
     ("prompt_ids_match", pa.bool_()), ("token_exact", pa.bool_()), ("rerender_drift", pa.string()),
+    ("record_exact", pa.bool_()),
 ])
 """The per-sample summary (`tokenized/summary-XXXXX.parquet`), the contract the quality gate validates: the
 row rules (`quality.row_problem`) and the Great Expectations suite read these columns, and nothing else, of
@@ -79,8 +80,9 @@ generated turn's tokens as the trainer renders them minus the tokens the server 
 null where no comparison holds: `training.tokenize.rerender_token_delta`). Where the server reported token ids
 (`training.tokenize.server_ids_check`): `prompt_ids_match` says the sample's `input_ids` start with the server's
 prompt ids (null: none reported), `token_exact` that the last turn's ids are the model's own, and `rerender_drift`
-whether and why the re-render of the last turn differs from them (none, whitespace, tool_value, other; null: no
-output ids)."""
+whether and why the re-render of the last turn from its parsed fields differs from them (none, whitespace,
+tool_value, other; null: no output ids), and `record_exact` whether the published `conversations` record re-renders
+to the published ids (a tool_value drift is published with the raw tool-call text, which does)."""
 
 GATE_QUARANTINE = pa.schema([("sample_id", pa.string()), ("reason", pa.string()), ("detail", pa.string())])
 """A sample the quality gate's row rules refused (`quality/quarantine.parquet`): left out of the published

@@ -126,6 +126,7 @@ def test_demo_dag_runs_green_on_seven_emulated_servers(dag, run_params, no_lefto
     assert ids["prompt_ids_compared"] == quality["samples"] and ids["prompt_ids_mismatch"] == 0
     assert ids["token_exact"] >= c["published"] and ids["rerender_drift"]["compared"] == ids["token_exact"]
     assert ids["rerender_drift"] == {"compared": ids["token_exact"], "whitespace": 0, "tool_value": 0, "other": 0}
+    assert ids["record_exact"] == ids["token_exact"]
 
 
 def test_whole_dag_is_green_in_the_oldest_supported_sglangs_mode_on_loopback_and_never_logs_the_key(

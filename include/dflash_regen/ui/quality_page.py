@@ -118,6 +118,7 @@ def _server_ids(quality: dict | None) -> dict | None:
     if not quality or "prompt_ids_compared" not in quality:
         return None
     return {key: quality.get(key) for key in ("prompt_ids_compared", "prompt_ids_mismatch",
-                                              "prompt_ids_mismatch_samples", "token_exact", "rerender_drift")}
+                                              "prompt_ids_mismatch_samples", "token_exact", "record_exact",
+                                              "rerender_drift")}
 
 
