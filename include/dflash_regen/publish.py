@@ -230,7 +230,8 @@ def _token_ids_note(manifest: dict) -> str:
             "the model's own output ids (through `<|im_end|>`, then the template's `\\n`), not a re-render. A trainer "
             f"re-rendering those turns from their parsed fields gets other ids for {differ:,} of "
             f"{drift.get('compared', 0):,}: {drift.get('whitespace', 0):,} by whitespace, "
-            f"{drift.get('tool_value', 0):,} by tool-call values re-typed, {drift.get('other', 0):,} other. `conversations.jsonl` carries the raw "
+            f"{drift.get('tool_value', 0):,} by tool-call values re-typed, {drift.get('other', 0):,} other. "
+            "`conversations.jsonl` carries the raw "
             "tool-call text where a value was re-typed, so a trainer re-rendering it (SpecForge's online path) gets "
             f"the model's ids on {ids.get('record_exact', 0):,} of them; whitespace the chat template normalizes "
             "cannot be carried: train from `tokenized/` for the model's own tokens.\n\n")
