@@ -211,3 +211,91 @@ def test_a_wrong_prompt_ids_fault_changes_only_the_ids(tmp_path, tok):
             enable_thinking=True), add_special_tokens=False).ids
     finally:
         fleet_servers.stop_fleet(cfg.fleet_dir)
+
+
+# ------------------------------------------------------------------ measured: re-render vs token-exact vs online
+def _call(params: list[tuple[str, str]]) -> str:
+    return ("<tool_call>\n<function=f>\n" + "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in params)
+            + "</function>\n</tool_call>")
+
+
+CRAFTED_TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+    "n": {"type": "integer"}, "x": {"type": "number"}, "s": {"type": "string"}, "o": {"type": "object"},
+    "b": {"type": "boolean"}}}}}]
+_T, _C = "I think.\n</think>\n\n", "I call.\n</think>\n\n"
+# Raw generations (after the prompt's `<think>\n`) and the cause a re-render from the parsed fields has to differ.
+CRAFTED = {
+    "answer": (_T + "The answer.", "none"),
+    "call": (_C + _call([("n", "3"), ("s", "hi")]), "none"),
+    "call after text": (_C + "Let me check.\n\n" + _call([("n", "3")]), "none"),
+    "call values": (_C + _call([("x", "2.5"), ("s", "line one\nline two"), ("o", '{"a": 1}'), ("b", "true")]),
+                    "none"),
+    "non-ASCII answer": ("Je réfléchis — 考虑.\n</think>\n\nRéponse : 東京 🌸.", "none"),
+    "non-ASCII value": (_C + _call([("s", "東京 — Zürich"), ("o", '{"city": "東京"}')]), "none"),
+    "two calls": (_C + _call([("n", "1")]) + "\n" + _call([("n", "2")]), "none"),
+    "empty reasoning": ("\n</think>\n\nThe answer.", "whitespace"),
+    "no newline before </think>": ("I think.</think>\n\nThe answer.", "whitespace"),
+    "one newline after </think>": ("I think.\n</think>\nThe answer.", "whitespace"),
+    "three newlines after </think>": ("I think.\n</think>\n\n\nThe answer.", "whitespace"),
+    "blank line before </think>": ("I think.\n\n</think>\n\nThe answer.", "whitespace"),
+    "leading newline in reasoning": ("\nI think.\n</think>\n\nThe answer.", "whitespace"),
+    "trailing space": (_T + "The answer. ", "whitespace"),
+    "trailing newline": (_T + "The answer.\n", "whitespace"),
+    "float 1.50": (_C + _call([("x", "1.50")]), "tool_value"),
+    "compact object": (_C + _call([("o", '{"a":1}')]), "tool_value"),
+    "Python True": (_C + _call([("b", "True")]), "tool_value"),
+    "nested compact JSON": (_C + _call([("o", '{"a":{"b":[1,2]}}')]), "tool_value"),
+    "integer 007": (_C + _call([("n", "007")]), "tool_value"),
+    "float 1e3": (_C + _call([("x", "1e3")]), "tool_value"),
+}
+
+
+def test_crafted_outputs_through_sglangs_parsers_drift_when_re_rendered_and_not_when_token_exact(id_judge, tok,
+                                                                                                 tmp_path):
+    """Each crafted raw output split by this version's `qwen3` and `qwen3_coder` parsers into the fields the server
+    returns, then through the real tokenize stage with the server's ids: the re-render from the parsed fields drifts
+    by the expected cause; the published ids are the model's, every one; the published `conversations` record
+    re-renders (SpecForge's online path) to them except where the template normalizes whitespace. The figures are
+    docs/sglang-versions.md's and the README's."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from dflash_regen.layout import RunLayout
+    from dflash_regen.training.tokenize import tokenize_shard
+
+    user = [{"role": "user", "content": "q"}]
+    prompt_ids = tok.backend_tokenizer.encode(tok.apply_chat_template(
+        user, tools=CRAFTED_TOOLS, tokenize=False, add_generation_prompt=True, enable_thinking=True),
+        add_special_tokens=False).ids
+    prompts, rows, outputs = [], [], {}
+    for name, (raw, _) in CRAFTED.items():
+        parsed = id_judge.ask("reasoning", text=raw, force=True)
+        calls = id_judge.ask("tools", text=parsed["content"] or "", tools=CRAFTED_TOOLS)
+        turn = {"role": "assistant", "reasoning_content": parsed["reasoning"],
+                "content": calls["content"] if calls["calls"] else parsed["content"] or ""}
+        if calls["calls"]:
+            turn["tool_calls"] = [{"id": f"c{i}", "type": "function", "function": {
+                "name": c["name"], "arguments": json.dumps(c["arguments"])}} for i, c in enumerate(calls["calls"])]
+        outputs[name] = tok.backend_tokenizer.encode(raw, add_special_tokens=False).ids + [IM_END]
+        prompts.append({"sample_id": name, "messages": json.dumps(user), "tools": json.dumps(CRAFTED_TOOLS)})
+        rows.append({"sample_id": name, "finish_reason": "tool_calls" if calls["calls"] else "stop",
+                     "content": turn["content"], "reasoning_content": turn["reasoning_content"],
+                     "tool_calls": json.dumps(turn.get("tool_calls")) if calls["calls"] else None,
+                     "think_marker_leak": False, "enable_thinking": True, "completion_tokens": len(outputs[name]),
+                     "assistant_turns": json.dumps([turn]), "server_prompt_ids": prompt_ids,
+                     "server_output_ids": outputs[name]})
+    pq.write_table(pa.Table.from_pylist(prompts), tmp_path / "prompts.parquet")
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "completions.parquet")
+    layout = RunLayout(tmp_path / "run")
+    layout.tokenized(0).parent.mkdir(parents=True)
+    tokenize_shard(tmp_path / "prompts.parquet", tmp_path / "completions.parquet", layout, 0, tok,
+                   include_reasoning=True)
+    summary = {r["sample_id"]: r for r in pq.read_table(layout.summary(0)).to_pylist()}
+    tokens = {r["sample_id"]: r["input_ids"] for r in pq.read_table(layout.tokenized(0)).to_pylist()}
+    assert {name: summary[name]["rerender_drift"] for name in CRAFTED} == {n: c for n, (_, c) in CRAFTED.items()}
+    newline = tok.backend_tokenizer.encode("\n", add_special_tokens=False).ids
+    assert all(tokens[name] == prompt_ids + outputs[name] + newline for name in CRAFTED)  # token-exact: 0 drift
+    online = {name for name in CRAFTED if summary[name]["record_exact"]}
+    assert online == {n for n, (_, cause) in CRAFTED.items() if cause != "whitespace"}
+    # 21 outputs: re-rendered, 14 drift (8 whitespace, 6 tool values); token-exact 0; the online path 8 (whitespace).
+    assert (len(CRAFTED), sum(c != "none" for _, c in CRAFTED.values()), len(CRAFTED) - len(online)) == (21, 14, 8)
