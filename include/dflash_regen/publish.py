@@ -182,8 +182,9 @@ top_p {manifest['config'].get('top_p')}, max_tokens {manifest['config'].get('max
 | output tokens | {t['output']:,} |
 | total tokens (prompt + output) | {t['total']:,} |
 
-{_budget_note(manifest)}{_rerender_note(manifest)}Input formats: {_counts(source.get('formats'))}. Repairs made to
-the input (by kind, over the planned prompts): {_counts(source.get('repairs'))}.
+{_budget_note(manifest)}{_rerender_note(manifest)}{_token_ids_note(manifest)}Input formats: \
+{_counts(source.get('formats'))}. Repairs made to the input (by kind, over the planned prompts): \
+{_counts(source.get('repairs'))}.
 
 Files: `conversations.jsonl` (SpecForge training format; every row has `id`, `conversations` and `tools`,
 and every turn `role`, `content`, `reasoning_content`, `tool_calls`, `tool_call_id`, empty when unused; `tools`
@@ -214,6 +215,26 @@ def _rerender_note(manifest: dict) -> str:
     return (f"{differ:,} samples re-render from their parsed fields to another token count than the server "
             "generated (whitespace around `</think>`, tool-call values re-serialized; the quality summary's "
             "`rerender_token_delta`): trained on, within Param max_rerender_drift_share.\n\n")
+
+
+def _token_ids_note(manifest: dict) -> str:
+    """The dataset card's lines on the samples held against their server's token ids (empty when none reported)."""
+    ids = manifest.get("token_ids") or {}
+    if not ids.get("prompt_ids_compared"):
+        return ""
+    drift = ids.get("rerender_drift") or {}
+    differ = sum(drift.get(cause, 0) for cause in ("whitespace", "tool_value", "other"))
+    return (f"Checked against the servers that answered: {ids['prompt_ids_compared']:,} samples' prompts were "
+            f"compared with the server's prompt token ids, {ids.get('prompt_ids_mismatch', 0):,} differ (within Param "
+            f"max_prompt_ids_mismatch_share). {ids.get('token_exact', 0):,} last assistant turns in `tokenized/` are "
+            "the model's own output ids (through `<|im_end|>`, then the template's `\\n`), not a re-render. A trainer "
+            f"re-rendering those turns from their parsed fields gets other ids for {differ:,} of "
+            f"{drift.get('compared', 0):,}: {drift.get('whitespace', 0):,} by whitespace, "
+            f"{drift.get('tool_value', 0):,} by tool-call values re-typed, {drift.get('other', 0):,} other. "
+            "`conversations.jsonl` carries the raw "
+            "tool-call text where a value was re-typed, so a trainer re-rendering it (SpecForge's online path) gets "
+            f"the model's ids on {ids.get('record_exact', 0):,} of them; whitespace the chat template normalizes "
+            "cannot be carried: train from `tokenized/` for the model's own tokens.\n\n")
 
 
 def _counts(counts: dict | None) -> str:
@@ -283,6 +304,10 @@ def publish_run(layout: RunLayout, dest: Path, plan: dict, quality: dict, config
                    "supervised_answer": sum(r["content_tokens"] for r in summary),
                    "prompt_and_history": total_tokens - sum(r["loss_mask_sum"] for r in summary),
                    "output": sum(r["completion_tokens"] or 0 for r in rows if r["sample_id"] not in dropped)},
+        # Held against the servers' own token ids (training/tokenize.py server_ids_check): prompts compared and
+        # differing, last turns published token-exact, and the re-render's drift from them by cause.
+        "token_ids": {k: quality[k] for k in ("prompt_ids_compared", "prompt_ids_mismatch", "token_exact",
+                                              "record_exact", "rerender_drift") if k in quality},
         "servers": servers, "quality": {k: quality[k] for k in ("success", "statistics", "expectations")},
         "input": {"source": plan["source"], "fingerprint": plan["fingerprint"], "formats": plan.get("formats", {}),
                   "repairs": plan.get("repairs", {})},

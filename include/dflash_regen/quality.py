@@ -101,6 +101,12 @@ def expectations(s: QualitySettings, expected_rows: int):
         # The re-rendered answer is the server's own output (nulls, where no comparison holds, are not counted).
         gxe.ExpectColumnValuesToBeInSet(column="rerender_token_delta", value_set=[0],
                                         mostly=1.0 - s.max_rerender_drift_share),
+        # Where the server reported ids: its prompt is ours (null: none reported), and the published record's
+        # re-render (what a trainer re-rendering `conversations` gets) is the model's own ids.
+        gxe.ExpectColumnValuesToBeInSet(column="prompt_ids_match", value_set=[True],
+                                        mostly=1.0 - s.max_prompt_ids_mismatch_share),
+        gxe.ExpectColumnValuesToBeInSet(column="record_exact", value_set=[True],
+                                        mostly=1.0 - s.max_rerender_drift_share),
     ]
 
 
@@ -185,8 +191,24 @@ def validate_run(layout: RunLayout, expected_rows: int, s: QualitySettings, docs
                    "truncated_at_train_length": sum(bool(r.get("truncated_at_train_length")) for r in kept),
                    # Kept and marked: the trainer re-renders these other than the server generated them.
                    "rerender_differs": sum(r.get("rerender_token_delta") not in (0, None) for r in kept),
-                   "rerender_compared": sum(r.get("rerender_token_delta") is not None for r in kept)})
+                   "rerender_compared": sum(r.get("rerender_token_delta") is not None for r in kept),
+                   **server_ids_counts(rows)})
     return report
+
+
+def server_ids_counts(rows: list[dict]) -> dict:
+    """The samples held against their server's ids (every tokenized sample, kept or not): prompts compared and
+    mismatched, last turns published token-exact, and the re-render drift by cause (`training.tokenize`)."""
+    drift = Counter(r.get("rerender_drift") for r in rows if r.get("rerender_drift") is not None)
+    return {"prompt_ids_compared": sum(r.get("prompt_ids_match") is not None for r in rows),
+            "prompt_ids_mismatch": sum(r.get("prompt_ids_match") is False for r in rows),
+            "prompt_ids_mismatch_samples": sorted(r["sample_id"] for r in rows if r.get("prompt_ids_match") is False
+                                                  )[:20],
+            "token_exact": sum(bool(r.get("token_exact")) for r in rows),
+            # Of those, the published `conversations` record re-renders to the same ids (SpecForge's online path).
+            "record_exact": sum(r.get("record_exact") is True for r in rows),
+            "rerender_drift": {"compared": sum(drift.values()),
+                               **{cause: drift.get(cause, 0) for cause in ("whitespace", "tool_value", "other")}}}
 
 
 def gate_run(cfg: RunConfig, shards: list[dict]) -> dict:

@@ -38,13 +38,17 @@ COMPLETION = pa.schema([
     ("reasoning_parser", pa.string()), ("think_marker_leak", pa.bool_()), ("empty_content", pa.bool_()),
     ("assistant_turns", pa.string()), ("truncated_at_train_length", pa.bool_()),
     ("source_run", pa.string()), ("prompt_digest", pa.string()),
+    ("server_prompt_ids", pa.list_(pa.field("element", pa.int32()))),
+    ("server_output_ids", pa.list_(pa.field("element", pa.int32()))),
 ])
 """One generated sample (`completions/shard-XXXXX.parquet` and its checkpoint parts): the answer (reasoning,
 content, tool calls as JSON text), how it ended and its token usage, the server that answered, the request's
 latency, attempt count and sampling params, flags for a leaked `<think>` marker or an empty answer, every
 assistant turn of a tool-call round (JSON text), whether Param budget train_length cut it, the run that generated
 it (`source_run`: an earlier run's for a completion the store supplied) and the digest of the prompt it answers
-(`prompts.formats.prompt_digest`, the store's check)."""
+(`prompts.formats.prompt_digest`, the store's check), and the token ids the server reported for the last
+request's prompt and output where its version returns them (`Dialect.token_ids_request`, sglang/api.py; null
+otherwise, and in files written before them)."""
 
 TOKENIZED = pa.schema([
     ("sample_id", pa.string()), ("input_ids", pa.list_(pa.field("element", pa.int32()))),
@@ -64,6 +68,8 @@ SUMMARY = pa.schema([
     ("repetition_score", pa.float32()), ("enable_thinking", pa.bool_()),
     ("history_from_input", pa.bool_()), ("truncated_at_train_length", pa.bool_()),
     ("rerender_token_delta", pa.int32()),
+    ("prompt_ids_match", pa.bool_()), ("token_exact", pa.bool_()), ("rerender_drift", pa.string()),
+    ("record_exact", pa.bool_()),
 ])
 """The per-sample summary (`tokenized/summary-XXXXX.parquet`), the contract the quality gate validates: the
 row rules (`quality.row_problem`) and the Great Expectations suite read these columns, and nothing else, of
@@ -71,7 +77,12 @@ every tokenized sample. `reasoning_tokens`/`content_tokens` are supervised token
 `history_from_input` says assistant turns after the last user turn came from the input (SpecForge trains
 them too), `repetition_score` is the share of repeated 8-grams in the reasoning, `rerender_token_delta` the
 generated turn's tokens as the trainer renders them minus the tokens the server generated (0: the same count;
-null where no comparison holds: `training.tokenize.rerender_token_delta`)."""
+null where no comparison holds: `training.tokenize.rerender_token_delta`). Where the server reported token ids
+(`training.tokenize.server_ids_check`): `prompt_ids_match` says the sample's `input_ids` start with the server's
+prompt ids (null: none reported), `token_exact` that the last turn's ids are the model's own, and `rerender_drift`
+whether and why the re-render of the last turn from its parsed fields differs from them (none, whitespace,
+tool_value, other; null: no output ids), and `record_exact` whether the published `conversations` record re-renders
+to the published ids (a tool_value drift is published with the raw tool-call text, which does)."""
 
 GATE_QUARANTINE = pa.schema([("sample_id", pa.string()), ("reason", pa.string()), ("detail", pa.string())])
 """A sample the quality gate's row rules refused (`quality/quarantine.parquet`): left out of the published

@@ -115,6 +115,18 @@ def test_demo_dag_runs_green_on_seven_emulated_servers(dag, run_params, no_lefto
     quality = json.loads(run.report("quality").read_text())
     assert quality["rerender_compared"] > 100
     assert quality["rerender_differs"] == manifest["counts"]["rerender_differs"] == 0
+    # 0.5.23 streams the prompt's and the output's ids: every published sample's prompt is the server's, and its last
+    # turn the emulator's own ids (through `<|im_end|>`, then the template's "\n"), token for token.
+    generated = {r["sample_id"]: r for p in run.merged_files(COMPLETIONS) for r in pq.read_table(p).to_pylist()}
+    newline = tok.backend_tokenizer.encode("\n", add_special_tokens=False).ids
+    for row in tokenized:
+        server = generated[row["sample_id"]]
+        assert row["input_ids"] == server["server_prompt_ids"] + server["server_output_ids"] + newline
+    ids = manifest["token_ids"]
+    assert ids["prompt_ids_compared"] == quality["samples"] and ids["prompt_ids_mismatch"] == 0
+    assert ids["token_exact"] >= c["published"] and ids["rerender_drift"]["compared"] == ids["token_exact"]
+    assert ids["rerender_drift"] == {"compared": ids["token_exact"], "whitespace": 0, "tool_value": 0, "other": 0}
+    assert ids["record_exact"] == ids["token_exact"]
 
 
 def test_whole_dag_is_green_in_the_oldest_supported_sglangs_mode_on_loopback_and_never_logs_the_key(

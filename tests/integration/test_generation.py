@@ -75,6 +75,73 @@ def test_a_shard_completes_once_with_the_generation_mode_recorded(launch, tmp_pa
     assert again["generated_now"] == 0 and again["completed"] == 40  # a finished shard is not redone
 
 
+@pytest.mark.parametrize("version", ["0.5.16", "0.5.23"])
+def test_the_servers_token_ids_are_kept_where_the_version_streams_them(launch, tmp_path, version):
+    """0.5.20+ streams the prompt's and the output's ids (sglext); 0.5.13-0.5.19 refuse them with `stream`, so the
+    streaming generate asks nothing there and the columns stay null."""
+    from conftest import FAST_PROFILE
+
+    from dflash_regen.emulator import model as emulated
+
+    cfg, _, key = launch(num_servers=1, emulator_profile={**FAST_PROFILE, "sglang_version": version})
+    shard = plan(cfg, tmp_path, n=8, shard_size=8)["shards"][0]
+    result, _ = run_shard(cfg, key, shard)
+    rows = pq.read_table(result["path"]).to_pylist()
+    if version == "0.5.16":
+        assert all(r["server_prompt_ids"] is None and r["server_output_ids"] is None for r in rows)
+        return
+    for r in rows:
+        assert len(r["server_prompt_ids"]) == r["prompt_tokens"]
+        out = r["server_output_ids"]
+        assert len(out) == r["completion_tokens"] and out[-1] == emulated.IM_END  # `<|im_end|>` counted
+        assert emulated.decode(out).startswith(r["reasoning_content"].strip()[:40])
+
+
+def test_on_0_5_23_the_published_last_turns_are_the_models_ids_and_a_wrong_prompt_fails_the_gate(launch, tmp_path):
+    """Generate on 0.5.23 with the emulator's wrong_prompt_ids_substring fault on one prompt, tokenize (the real
+    stage) and validate: every other sample's prompt is the server's and its last turn the emulator's own ids; the
+    sabotaged one is caught by name and fails the gate at Param max_prompt_ids_mismatch_share 0."""
+    from conftest import FAST_PROFILE
+
+    from dflash_regen import quality
+    from dflash_regen.chat.template import load_tokenizer
+    from dflash_regen.demo.model import default_tokenizer_cache, write_demo_model
+    from dflash_regen.emulator import model as emulated
+    from dflash_regen.settings.params import defaults
+    from dflash_regen.sglang.api import Dialect
+    from dflash_regen.training.tokenize import tokenize_shard
+
+    cfg, _, key = launch(num_servers=1, emulator_profile={**FAST_PROFILE, "sglang_version": "0.5.23"},
+                         emulator_faults={"*": {"wrong_prompt_ids_substring": "square root of 2"}})
+    shard = plan(cfg, tmp_path, n=16, shard_size=16)["shards"][0]
+    result, _ = run_shard(cfg, key, shard)
+    tok = load_tokenizer(write_demo_model(tmp_path / "tok", shards=1, shard_bytes=1024, with_tokenizer=True,
+                                          tokenizer_cache=default_tokenizer_cache()))
+    tokenize_shard(Path(shard["path"]), Path(result["path"]), cfg.layout, 0, tok, include_reasoning=True,
+                   dialect=Dialect("0.5.23"))
+    rows = {r["sample_id"]: r for r in pq.read_table(result["path"]).to_pylist()}
+    tokens = {r["sample_id"]: r for r in pq.read_table(cfg.layout.tokenized(0)).to_pylist()}
+    summary = {r["sample_id"]: r for r in pq.read_table(cfg.layout.summary(0)).to_pylist()}
+    prompts = {r["sample_id"]: r for r in pq.read_table(shard["path"]).to_pylist()}
+    sabotaged = {sid for sid, p in prompts.items()  # the fault reads the last user message, as the poison does
+                 if "square root of 2" in emulated.last_user_text(json.loads(p["messages"]))}
+    assert sabotaged and len(sabotaged) < len(rows)
+    assert {sid for sid, s in summary.items() if s["prompt_ids_match"] is False} == sabotaged
+    newline = tok.backend_tokenizer.encode("\n", add_special_tokens=False).ids
+    for sid in set(rows) - sabotaged:
+        row, ids = rows[sid], tokens[sid]["input_ids"]
+        assert summary[sid]["prompt_ids_match"] and summary[sid]["token_exact"], sid
+        assert ids == row["server_prompt_ids"] + row["server_output_ids"] + newline, sid
+        assert summary[sid]["rerender_drift"] == "none", sid  # the emulator writes the template's own form
+    report = quality.validate_run(cfg.layout, len(rows), quality.QualitySettings.from_params(defaults()),
+                                  cfg.layout.data_docs)
+    check = next(e for e in report["expectations"] if e["kwargs"].get("column") == "prompt_ids_match")
+    assert not report["success"] and not check["success"]
+    assert report["prompt_ids_mismatch"] == len(sabotaged) and report["prompt_ids_compared"] == len(rows)
+    assert sorted(sabotaged) == report["prompt_ids_mismatch_samples"]
+    assert report["token_exact"] == len(rows) - len(sabotaged)
+
+
 def test_leases_are_exclusive_and_a_dead_server_is_not_leased(launch):
     cfg, servers, _ = launch(num_servers=2)
     with ExitStack() as first_hold, ExitStack() as second_hold:

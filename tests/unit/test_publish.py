@@ -42,6 +42,18 @@ def test_the_card_says_how_many_samples_re_render_other_than_generated(tmp_path)
     assert "3 samples re-render from their parsed fields" in publish.dataset_card("ds", "v1", manifest)
 
 
+def test_the_card_reports_the_token_exact_turns_and_the_re_render_drift_by_cause(tmp_path):
+    _, manifest = inputs(tmp_path)
+    assert "Checked against the servers" not in publish.dataset_card("ds", "v1", manifest)  # no ids reported
+    manifest["token_ids"] = {"prompt_ids_compared": 19, "prompt_ids_mismatch": 0, "token_exact": 19, "record_exact": 12,
+                             "rerender_drift": {"compared": 19, "whitespace": 7, "tool_value": 5, "other": 0}}
+    card = publish.dataset_card("ds", "v1", manifest)
+    assert "19 samples' prompts were compared with the server's prompt token ids, 0 differ" in card
+    assert "19 last assistant turns in `tokenized/` are the model's own output ids" in card
+    assert "other ids for 12 of 19: 7 by whitespace, 5 by tool-call values re-typed, 0 other" in card
+    assert "gets the model's ids on 12 of them" in card
+
+
 def test_inconsistent_counts_publish_nothing(tmp_path):
     parts, manifest = inputs(tmp_path)
     manifest["counts"]["published"] = 3

@@ -57,6 +57,9 @@ Environment
 - `error_substring` (str), `error_status` (int 400-599, default 500): a poison prompt. Every chat completion
   whose last user message contains the substring is answered `error_status` with SGLang's error body (a
   chat-template failure), on every server that has the fault and on every try; other prompts are served.
+- `wrong_prompt_ids_substring` (str): where the version returns prompt token ids and they are asked for, a prompt
+  whose last user message contains the substring gets them with one id more than its template renders (the
+  server saw another prompt than the client's tokenizer renders); its answer is unchanged.
 
 "Arrives" counts every POST /v1/chat/completions that passed the API-key check, valid or not. The
 error/hang draws come from one RNG per server, seeded by its GPU id, drawn for every arrival in order: a

@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from dflash_regen.emulator import model as emulated
-from dflash_regen.emulator import parsers
+from dflash_regen.emulator import parsers, template
 from dflash_regen.emulator.scheduler import QueueFull, Req
 from dflash_regen.emulator.state import Emulator, kill_self
 
@@ -76,6 +76,11 @@ class ChatCompletionRequest(BaseModel):
     separate_reasoning: bool = True
     stream_reasoning: bool = True
     reasoning_effort: Literal["none", "low", "medium", "high"] | None = None
+    # Token ids, honoured from the version that has each (versions.Forms)
+    return_prompt_token_ids: bool = False
+    return_token_ids: bool = False
+    return_input_ids_in_sglext: bool = False
+    return_output_ids_in_sglext: bool = False
 
 
 def error_response(message: str, err_type: str, code: int) -> JSONResponse:
@@ -177,7 +182,19 @@ async def chat(emu: Emulator, request: Request):
     enable_thinking = kwargs.get("enable_thinking", req.reasoning_effort != "none") is not False
     template_kwargs = kwargs if "enable_thinking" in kwargs or req.reasoning_effort != "none" else \
         {**kwargs, "enable_thinking": False}
-    prompt_tokens = emulated.count_prompt_tokens(messages, tools, enable_thinking)
+    ids = _IdsAsked(emu, req)
+    if req.stream and (refused := ids.refused_with_stream()):
+        return error_response(refused, "BadRequestError", 400)
+    prompt_ids = None
+    if ids.prompt:
+        prompt_ids = template.prompt_ids(messages, emu.forms.template_tools(tools), template_kwargs,
+                                         emu.args.model_path)
+        wrong = emu.faults.wrong_prompt_ids_substring
+        if wrong and wrong in emulated.last_user_text(messages) and prompt_ids:
+            middle = len(prompt_ids) // 2  # the server saw another prompt than the client rendered
+            prompt_ids = [*prompt_ids[:middle], emulated.encode(" ")[0], *prompt_ids[middle:]]
+    prompt_tokens = len(prompt_ids) if prompt_ids is not None else \
+        emulated.count_prompt_tokens(messages, tools, enable_thinking)
     ctx = emu.context_len
     if prompt_tokens >= ctx:
         return error_response(f"The input ({prompt_tokens} tokens) is longer than the model's context length "
@@ -213,7 +230,8 @@ async def chat(emu: Emulator, request: Request):
     except QueueFull as exc:
         return error_response(str(exc), "503", 503)
     answer = _Answer(emu, req, tools, gen, sreq, force=parsers.force_reasoning(emu.args.reasoning_parser,
-                                                                               template_kwargs))
+                                                                               template_kwargs),
+                     ids=ids, prompt_ids=prompt_ids)
     if req.stream:
         return StreamingResponse(answer.stream(), media_type="text/event-stream")
     done = asyncio.create_task(sreq.wait())
@@ -227,6 +245,31 @@ async def chat(emu: Emulator, request: Request):
     return JSONResponse(answer.complete())
 
 
+class _IdsAsked:
+    """Which token ids the request asks for, of those this version returns (versions.Forms)."""
+
+    def __init__(self, emu: Emulator, req: ChatCompletionRequest):
+        forms = emu.forms
+        self.token_ids_field = forms.output_token_ids_field if req.return_token_ids else None
+        self.choice_prompt = forms.return_prompt_token_ids and (req.return_prompt_token_ids
+                                                                or self.token_ids_field is not None)
+        self.sglext_prompt = forms.ids_in_sglext and req.return_input_ids_in_sglext
+        self.sglext_output = forms.ids_in_sglext and req.return_output_ids_in_sglext
+        self.prompt = self.choice_prompt or self.sglext_prompt
+        self.req = req
+        self.forms = forms
+
+    def refused_with_stream(self) -> str | None:
+        """serving_chat.py's refusal of the choice-level ids with `stream` (a ValueError, hence a 400)."""
+        if self.forms.return_prompt_token_ids and self.req.return_prompt_token_ids:
+            return ("return_prompt_token_ids is not supported with streaming. Please set stream=false when using "
+                    "return_prompt_token_ids=true.")
+        if self.token_ids_field:
+            return ("return_token_ids is not supported with streaming on /v1/chat/completions. Please set "
+                    "stream=false when using return_token_ids=true.")
+        return None
+
+
 async def _silence():
     await _forever()
     yield b""  # never reached: the generator only exists to hold the stream open
@@ -236,8 +279,10 @@ class _Answer:
     """Turns a finished (or streaming) request into SGLang's chat completion JSON / SSE chunks."""
 
     def __init__(self, emu: Emulator, req: ChatCompletionRequest, tools: list[dict] | None,
-                 gen: emulated.Generation, sreq: Req, force: bool):
+                 gen: emulated.Generation, sreq: Req, force: bool, ids: _IdsAsked | None = None,
+                 prompt_ids: list[int] | None = None):
         self.emu, self.req, self.tools, self.gen, self.sreq = emu, req, tools, gen, sreq
+        self.ids, self.prompt_ids = ids or _IdsAsked(emu, req), prompt_ids
         self.created = int(time.time())
         parser = emu.args.reasoning_parser
         self.split = bool(parser in parsers.THINK_TAG_PARSERS and req.separate_reasoning)
@@ -268,6 +313,15 @@ class _Answer:
             usage["completion_tokens_details"] = {"reasoning_tokens": reasoning} if reasoning else None
         return usage
 
+    def sglext(self) -> dict | None:
+        """`sglext` with the ids asked for (SglExt drops unset fields); None when none were."""
+        ext: dict = {}
+        if self.ids.sglext_prompt and self.prompt_ids is not None:
+            ext["input_ids"] = self.prompt_ids
+        if self.ids.sglext_output:
+            ext["output_ids"] = [self._ids()]  # one list per choice
+        return ext or None
+
     @staticmethod
     def _text(ids: list[int]) -> str:
         return emulated.decode([i for i in ids if i != emulated.IM_END])
@@ -291,10 +345,16 @@ class _Answer:
                    "tool_calls": tool_calls}
         if tool_calls is None and self.emu.forms.omits_null_tool_calls:
             del message["tool_calls"]
-        return {"id": self.sreq.rid, "object": "chat.completion", "created": self.created, "model": self.req.model,
-                "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": finish,
-                             "matched_stop": matched}],
-                "usage": self.usage(), "metadata": {"weight_version": "default"}}
+        choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish, "matched_stop": matched}
+        if self.ids.choice_prompt and self.prompt_ids is not None:
+            choice["prompt_token_ids"] = self.prompt_ids
+        if self.ids.token_ids_field:
+            choice[self.ids.token_ids_field] = self._ids()
+        body = {"id": self.sreq.rid, "object": "chat.completion", "created": self.created, "model": self.req.model,
+                "choices": [choice], "usage": self.usage(), "metadata": {"weight_version": "default"}}
+        if ext := self.sglext():
+            body["sglext"] = ext
+        return body
 
     # -------------------------------------------------------------------------------------- stream
     def _chunk(self, delta: dict, finish: str | None = None, matched: int | None = None) -> bytes:
@@ -335,6 +395,10 @@ class _Answer:
             if streamed_tool and finish == "stop":
                 finish, matched = "tool_calls", None
             yield self._chunk({}, finish, matched)
+            if ext := self.sglext():  # after the finish chunk, before the usage chunk (serving_chat.py)
+                body = {"id": self.sreq.rid, "object": "chat.completion.chunk", "created": self.created,
+                        "model": self.req.model, "choices": [], "usage": None, "sglext": ext}
+                yield b"data: " + json.dumps(body, separators=(",", ":")).encode() + b"\n\n"
             if self.req.stream_options and self.req.stream_options.include_usage:
                 body = {"id": self.sreq.rid, "object": "chat.completion.chunk", "created": self.created,
                         "model": self.req.model, "choices": [], "usage": self.usage()}

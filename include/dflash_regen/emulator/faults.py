@@ -37,6 +37,9 @@ class Faults:
     loop_substring: str | None = None
     error_substring: str | None = None
     error_status: int = 500
+    # A prompt whose last user message holds this text gets prompt ids (where asked) with one id more than the
+    # template renders: the server saw another prompt than the client's tokenizer renders.
+    wrong_prompt_ids_substring: str | None = None
 
     def describe(self) -> str:
         active = {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) != f.default}

@@ -72,6 +72,49 @@ class Forms:
     def completion_tokens_details(self) -> bool:  # usage.completion_tokens_details.reasoning_tokens
         return self.at_least("0.5.23")
 
+    # Token ids (protocol.py's request and response models, serving_chat.py): `return_prompt_token_ids` (0.5.13) ->
+    # `choices[i].prompt_token_ids`; `return_token_ids` (0.5.17) -> that and the output's ids in `choices[i].token_ids`,
+    # `response_token_ids` from 0.5.18; both refused with `stream`. `return_input_ids_in_sglext` and
+    # `return_output_ids_in_sglext` (0.5.20) -> top-level `sglext.input_ids`, `sglext.output_ids` (streaming too).
+    @property
+    def return_prompt_token_ids(self) -> bool:
+        return self.at_least("0.5.13")
+
+    @property
+    def output_token_ids_field(self) -> str | None:
+        if self.at_least("0.5.18"):
+            return "response_token_ids"
+        return "token_ids" if self.at_least("0.5.17") else None
+
+    @property
+    def ids_in_sglext(self) -> bool:
+        return self.at_least("0.5.20")
+
+    def template_tools(self, tools: list[dict] | None) -> list[dict] | None:
+        """The tools as this version's server hands them to the chat template (`item.model_dump()` of its `Tool`):
+        before 0.5.12 `strict` false unless sent; from 0.5.12 a `defer_loading` on each tool; from 0.5.23 the
+        function's keys in the order sent, `strict` and `defer_loading` only when sent."""
+        return [self._template_tool(tool) for tool in tools] if tools else tools
+
+    def _template_tool(self, tool: dict) -> dict:
+        sent = tool.get("function") or {}
+        defer = tool.get("defer_loading")
+        function = {"description": sent.get("description"), "name": sent.get("name"),
+                    "parameters": sent.get("parameters")}
+        if not self.at_least("0.5.12"):
+            return {"type": tool.get("type", "function"), "function": {**function,
+                                                                       "strict": bool(sent.get("strict", False))}}
+        function_defer = sent.get("defer_loading", defer)
+        if self.at_least("0.5.23"):
+            known = {**function, "strict": sent.get("strict"), "defer_loading": function_defer}
+            known = {k: v for k, v in known.items() if v is not None or k not in ("strict", "defer_loading")}
+            function = {k: known[k] for k in [*sent, *known] if k in known}
+        else:
+            function["strict"] = bool(sent.get("strict", False))
+            if function_defer is not None:
+                function["defer_loading"] = function_defer
+        return {"type": tool.get("type", "function"), "function": function, "defer_loading": defer}
+
 
 def emulated_version(env: dict[str, str] | None = None) -> str:
     """The version the profile asks for (what the launcher's pre-flight reads as `sglang.__version__`)."""

@@ -18,7 +18,7 @@ from dflash_regen.fleet.servers import Server, healthy_servers, is_alive, load_s
 from dflash_regen.prompts.formats import prompt_digest
 from dflash_regen.settings.run_config import GenerationSettings, sample_seed
 from dflash_regen.sglang import http
-from dflash_regen.sglang.api import Api
+from dflash_regen.sglang.api import Api, Dialect
 from dflash_regen.sglang.http import ChatResult, make_session, stream_chat
 
 log = logging.getLogger(__name__)
@@ -34,9 +34,11 @@ class Stopped(ServerUnhealthy):
 
 
 def chat_payload(messages: list[dict], tools: list[dict] | None, settings: GenerationSettings, seed: int,
-                 max_tokens: int) -> dict:
+                 max_tokens: int, dialect: Dialect | None = None) -> dict:
+    """`dialect`: the serving version, asked for the prompt's and the output's token ids where it streams them."""
     return http.chat_payload(messages, tools, settings.sampling, model=settings.served_model_name,
-                             max_tokens=max_tokens, seed=seed)
+                             max_tokens=max_tokens, seed=seed,
+                             extra=dialect.token_ids_request(stream=True) if dialect else None)
 
 
 def _turn(result: ChatResult) -> dict:
@@ -52,8 +54,9 @@ class Generator:
     """Sends one sample's requests with per-request retries; shared by the shard's worker threads."""
 
     def __init__(self, server: Server, api_key: str, settings: GenerationSettings, in_flight: int,
-                 model_revision: str | None, fleet_dir: Path | None = None):
+                 model_revision: str | None, fleet_dir: Path | None = None, dialect: Dialect | None = None):
         self.server, self.api_key, self.settings, self.fleet_dir = server, api_key, settings, fleet_dir
+        self.dialect = dialect
         self.model_revision = model_revision
         self.session = make_session(in_flight)
         self.stop = threading.Event()
@@ -145,7 +148,8 @@ class Generator:
             # Regenerate every assistant turn in order from the model's own earlier answers.
             for msg in messages:
                 if msg["role"] == "assistant":
-                    result, _, _ = self._request(chat_payload(history, tools, s, seed, s.sampling.max_tokens))
+                    result, _, _ = self._request(chat_payload(history, tools, s, seed, s.sampling.max_tokens,
+                                                                  self.dialect))
                     turns.append(_turn(result))
                     history.append({"role": "assistant", "content": result.content,
                                     **({"tool_calls": result.tool_calls} if result.tool_calls else {})})
@@ -156,12 +160,12 @@ class Generator:
         if s.train_budget:  # what the trainer reads: train_max_length - this prompt's tokens (planning's count)
             room = s.train_budget - (sample.get("prompt_tokens") or 0) - TRAIN_BUDGET_RESERVE
             max_tokens = max(1, min(s.sampling.max_tokens, room))
-        result, attempt, served_by = self._request(chat_payload(targets, tools, s, seed, max_tokens))
+        result, attempt, served_by = self._request(chat_payload(targets, tools, s, seed, max_tokens, self.dialect))
         at_train_length = result.finish_reason == "length" and max_tokens < s.sampling.max_tokens
         if s.retry_truncated and not at_train_length and (result.finish_reason == "length"
                                                           or not (result.content or result.tool_calls)):
             max_tokens = 2 * s.sampling.max_tokens
-            result, extra, served_by = self._request(chat_payload(targets, tools, s, seed, max_tokens))
+            result, extra, served_by = self._request(chat_payload(targets, tools, s, seed, max_tokens, self.dialect))
             attempt += extra
         turns.append(_turn(result))
         usage = result.usage or {}
@@ -183,4 +187,5 @@ class Generator:
             # Cut where the trainer stops reading (Param budget train_length): kept as training text, not a failure.
             "truncated_at_train_length": at_train_length,
             "source_run": s.run, "prompt_digest": prompt_digest(sample["messages"], sample["tools"]),
+            "server_prompt_ids": result.prompt_ids, "server_output_ids": result.output_ids,
         }

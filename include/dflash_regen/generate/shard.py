@@ -62,7 +62,7 @@ from dflash_regen.prompts.formats import Prompt
 from dflash_regen.prompts.planning import TokenCounter, token_bound
 from dflash_regen.schemas import COMPLETION, QUARANTINE
 from dflash_regen.settings.run_config import GenerationSettings, RunConfig
-from dflash_regen.sglang.api import Api
+from dflash_regen.sglang.api import Api, Dialect
 
 log = logging.getLogger(__name__)
 HEARTBEAT_S = 5.0  # a running shard's status is rewritten at least this often (a few hundred bytes)
@@ -155,18 +155,20 @@ def _drained(shard: int, request: dict, kept: int, total: int) -> Drained:
                    f"other {total - kept:,}")
 
 
-def _server_facts(server: Server, api_key: str) -> tuple[int, str | None, int]:
-    """(effective running-request slots, weight version, context length) of the leased server."""
+def _server_facts(server: Server, api_key: str) -> tuple[int, str | None, int, Dialect | None]:
+    """(effective running-request slots, weight version, context length, SGLang version) of the leased server."""
     api = Api(server.url, api_key)
     try:
-        slots = api.allocation().running_slots
+        info = api.server_info()
+        slots = api.allocation(info=info).running_slots
+        version = api.version(info)
         model = api.model_info()
         context = api.context_length()
     except NotRetryable:
         raise
     except (DflashError, ValueError) as exc:
         raise ServerUnhealthy(f"{server.name} did not report its slots and context length ({exc})") from exc
-    return slots, model.get("weight_version"), context
+    return slots, model.get("weight_version"), context, Dialect(version) if version else None
 
 
 def _too_long(rows: list[dict], server: Server, context: int, max_tokens: int) -> dict[str, str]:
@@ -357,7 +359,7 @@ def generate_shard(paths: ShardPaths, server: Server, api_key: str, settings: Ge
     status = ShardStatus(paths.status, paths.shard, table.num_rows, server.name, len(done_ids),
                                       len(failed_ids)) if paths.status else None
     try:
-        slots, revision, context = _server_facts(server, api_key)
+        slots, revision, context, dialect = _server_facts(server, api_key)
     except ServerUnhealthy as exc:
         raise _shard_failed(paths.shard, server, exc, fleet_dir, api_key, len(done_ids) + len(failed_ids),
                             table.num_rows, status) from None
@@ -373,7 +375,7 @@ def generate_shard(paths: ShardPaths, server: Server, api_key: str, settings: Ge
                        servers_sharing=servers_sharing, started=started)
     attempt.failures.extend({"location": sid, "stage": "generate", "reason": "too_long", "detail": why,
                              "sample_id": sid} for sid, why in too_long.items())
-    gen = Generator(server, api_key, settings, in_flight, revision, fleet_dir)
+    gen = Generator(server, api_key, settings, in_flight, revision, fleet_dir, dialect)
     error = _send_all(gen, todo, attempt, settings, in_flight)
     if isinstance(error, AuthError):
         if status:

@@ -299,6 +299,11 @@ SPECS: dict[str, Spec] = {
                      "where that differs from the tokens the server generated (whitespace around </think> the "
                      "template normalizes, tool-call values re-serialized), the sample is marked "
                      "(rerender_token_delta); above this share the gate fails.")),
+    "max_prompt_ids_mismatch_share": Spec(
+        0.0, "number", QUALITY, title="Max share whose prompt is not the server's", minimum=0, maximum=1,
+        description=("Where the SGLang version reports the prompt's token ids (0.5.20+ while streaming), each "
+                     "sample's input_ids must start with them: the prompt the model answered is the one trained on. "
+                     "Samples that do not are marked (prompt_ids_match); above this share the gate fails.")),
     "max_repetition_score": Spec(
         0.5, "number", QUALITY, title="Max reasoning repetition score", minimum=0, maximum=1,
         description="Share of repeated 8-grams; loops (temperature 0) score near 1."),

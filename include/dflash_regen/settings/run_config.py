@@ -203,6 +203,7 @@ class QualitySettings:
     train_max_length: int
     max_overlong_share: float
     max_rerender_drift_share: float
+    max_prompt_ids_mismatch_share: float
 
     @classmethod
     def from_params(cls, params: Mapping[str, Any]) -> QualitySettings:

@@ -125,6 +125,42 @@ class Dialect:
                 function["defer_loading"] = function_defer
         return {"type": tool.get("type", "function"), "function": function, "defer_loading": defer}
 
+    # ------------------------------------------------------------------------------- token ids
+    # Read from each version's protocol.py (request and response models) and serving_chat.py (what fills them):
+    # - 0.5.13: `return_prompt_token_ids` -> `choices[i].prompt_token_ids`; refused with `stream` (a 400);
+    # - 0.5.17: `return_token_ids` -> `choices[i].token_ids` (the output's ids) and the prompt ids; refused with
+    #   `stream`;
+    # - 0.5.18: that output field renamed `choices[i].response_token_ids`;
+    # - 0.5.20: `return_input_ids_in_sglext` / `return_output_ids_in_sglext` -> top-level `sglext.input_ids` and
+    #   `sglext.output_ids` (one list per choice), streaming too: one chunk with `choices: []` after the finish
+    #   chunk, before the usage chunk.
+    # The output ids are `req.output_ids_through_stop` (schedule_batch.py: `finished_len = matched_pos + 1`), so
+    # they end with the matched stop token (`<|im_end|>`), which `completion_tokens` (their length) counts too.
+    @property
+    def prompt_ids_without_stream(self) -> bool:
+        return self.at_least("0.5.13")
+
+    @property
+    def output_ids_without_stream(self) -> bool:
+        return self.at_least("0.5.17")
+
+    @property
+    def ids_in_sglext(self) -> bool:
+        return self.at_least("0.5.20")
+
+    def token_ids_request(self, stream: bool) -> dict:
+        """The request fields that ask this version for the prompt's and the output's token ids (none before
+        0.5.13, and none when streaming before 0.5.20, which refuses them with `stream`)."""
+        if self.ids_in_sglext:
+            return {"return_input_ids_in_sglext": True, "return_output_ids_in_sglext": True}
+        if stream:
+            return {}
+        if self.output_ids_without_stream:
+            return {"return_token_ids": True}  # the prompt's ids come with it (serving_chat.py)
+        if self.prompt_ids_without_stream:
+            return {"return_prompt_token_ids": True}
+        return {}
+
     def refuse(self, flags: list[str], hybrid: bool = True) -> None:
         """Raise `VersionRefused` for a known-bad combination; warn for a version newer than checked."""
         speculative = "--speculative-algorithm" in [t.partition("=")[0] for t in flags]

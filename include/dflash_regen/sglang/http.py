@@ -52,6 +52,22 @@ class ChatResult:
     usage: dict = field(default_factory=dict)
     latency_s: float = 0.0
     first_token_s: float | None = None
+    # The server's own token ids, where the version returns them (`Dialect.token_ids_request`); else None.
+    prompt_ids: list[int] | None = None
+    output_ids: list[int] | None = None
+
+
+def token_ids(body: dict) -> tuple[list[int] | None, list[int] | None]:
+    """(prompt ids, output ids of the first choice) of a chat completion body or stream chunk, in every version's
+    form: `sglext.input_ids`/`sglext.output_ids[0]` (0.5.20+), `choices[0].prompt_token_ids` (0.5.13+) and
+    `choices[0].response_token_ids` (0.5.18+) or `.token_ids` (0.5.17); None for what the body lacks."""
+    ext = body.get("sglext") or {}
+    prompt, output = ext.get("input_ids"), (ext.get("output_ids") or [None])[0]
+    for choice in (body.get("choices") or ())[:1]:
+        prompt = prompt if prompt is not None else choice.get("prompt_token_ids")
+        if output is None:
+            output = choice.get("response_token_ids", choice.get("token_ids"))
+    return (list(prompt) if prompt is not None else None), (list(output) if output is not None else None)
 
 
 def auth_headers(api_key: str) -> dict[str, str]:
@@ -87,7 +103,7 @@ SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty")
 
 
 def chat_payload(messages: list[dict], tools: list[dict] | None, sampling, *, model: str, max_tokens: int,
-                 seed: int | None) -> dict:
+                 seed: int | None, extra: dict | None = None) -> dict:
     """The chat request, with the sampling settings from one place: `sampling` is the run's settings object
     (temperature, top_p, enable_thinking; a field added to it goes in `SAMPLING_FIELDS`)."""
     payload = {"model": model, "messages": messages, "max_tokens": max_tokens,
@@ -98,7 +114,7 @@ def chat_payload(messages: list[dict], tools: list[dict] | None, sampling, *, mo
         payload["seed"] = seed
     if tools:
         payload["tools"] = tools
-    return payload
+    return {**payload, **(extra or {})}  # e.g. the version's token-id fields (`Dialect.token_ids_request`)
 
 
 def make_session(pool_size: int) -> requests.Session:
@@ -170,6 +186,10 @@ class _Assembly:
     def add(self, chunk: dict) -> None:
         if chunk.get("usage"):
             self.result.usage = chunk["usage"]
+        if chunk.get("sglext"):
+            prompt, output = token_ids(chunk)
+            self.result.prompt_ids = prompt if prompt is not None else self.result.prompt_ids
+            self.result.output_ids = output if output is not None else self.result.output_ids
         for choice in chunk.get("choices") or ():
             delta = choice.get("delta") or {}
             piece = delta.get("reasoning_content") or delta.get("reasoning")

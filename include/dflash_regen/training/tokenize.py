@@ -53,12 +53,23 @@ def tokenize_shard(prompts_path: Path, completions_path: Path, layout: RunLayout
     prompts = {r["sample_id"]: r for r in pq.read_table(prompts_path).to_pylist()}
     think_end = tokenizer.convert_tokens_to_ids("</think>")
     think_start, im_end = tokenizer.convert_tokens_to_ids("<think>"), tokenizer.convert_tokens_to_ids("<|im_end|>")
-    rows = pq.read_table(completions_path).to_pylist()
+    rows = pq.read_table(completions_path).to_pylist()  # files written before the id columns lack them: .get()
     conversations = training_conversations(prompts, rows, dialect)
-    tokenized = tokenize_batch(tokenizer, conversations, include_reasoning=include_reasoning)
-    summary, records = [], []
-    for row, (turns, tools), (ids, mask) in zip(rows, conversations, tokenized, strict=True):
+    rerendered = tokenize_batch(tokenizer, conversations, include_reasoning=include_reasoning)
+    summary, records, tokenized = [], [], []
+    for row, (turns, tools), (again, again_mask) in zip(rows, conversations, rerendered, strict=True):
         prompt = prompts[row["sample_id"]]
+        check = server_ids_check(again, again_mask, row, im_end, include_reasoning)
+        ids, mask = (check.ids, check.mask) if check.ids is not None and check.mask is not None else (again, again_mask)
+        record_exact = None if check.drift is None else check.drift == "none"
+        if check.drift not in (None, "none"):
+            check.drift = drift_cause(tokenizer, check.model_tail, check.rerendered_tail)
+            if check.drift == "tool_value" and (raw := raw_tool_call_turns(tokenizer, turns, tools, row, ids,
+                                                                           include_reasoning)):
+                turns, record_exact = raw, True
+            else:
+                record_exact = False
+        tokenized.append((ids, mask))
         counts = summarize_mask(ids, mask, think_end)
         summary.append({
             "sample_id": row["sample_id"], "n_tokens": counts.n_tokens, "mask_len": len(mask),
@@ -71,7 +82,9 @@ def tokenize_shard(prompts_path: Path, completions_path: Path, layout: RunLayout
             # SpecForge also trains assistant turns after the last user turn; flag when those come from the input.
             "history_from_input": _input_turns_after_last_user(json.loads(prompt["messages"])),
             "truncated_at_train_length": bool(row.get("truncated_at_train_length")),
-            "rerender_token_delta": rerender_token_delta(ids, row, think_start, im_end),
+            "rerender_token_delta": rerender_token_delta(again, row, think_start, im_end),
+            "prompt_ids_match": check.prompt_ids_match, "token_exact": check.ids is not None,
+            "rerender_drift": check.drift, "record_exact": record_exact,
         })
         records.append(json.dumps(conversation.specforge_record(row["sample_id"], turns, tools), ensure_ascii=False))
     atomic.write_table(_tokens_table([row["sample_id"] for row in rows], summary, tokenized), tokens_path)
@@ -92,6 +105,92 @@ def training_conversations(prompts: dict[str, dict], rows: list[dict], dialect: 
     if dialect is None:
         return conversations
     return [(turns, dialect.template_tools(tools)) for turns, tools in conversations]
+
+
+class IdsCheck:
+    """One sample held against the ids its server reported (`server_ids_check`)."""
+
+    def __init__(self) -> None:
+        self.prompt_ids_match: bool | None = None  # None: the server reported no prompt ids
+        self.ids: np.ndarray | None = None  # the token-exact input_ids and loss_mask, when they replace the re-render
+        self.mask: np.ndarray | None = None
+        self.drift: str | None = None  # None: no output ids to compare; "none": the re-render is the model's ids
+        self.model_tail: list[int] = []
+        self.rerendered_tail: list[int] = []
+
+
+def server_ids_check(ids: np.ndarray, mask: np.ndarray, row: dict, im_end: int,
+                     include_reasoning: bool = True) -> IdsCheck:
+    """The sample's re-rendered `ids`/`mask` against its server's ids (`server_prompt_ids`, `server_output_ids`).
+
+    - The prompt: our `input_ids` start with the server's prompt ids, or `prompt_ids_match` is False. Only the
+      prompt's last token may differ, merged in the re-render with the answer's first (an empty reasoning's "\n"
+      and the prompt's `<think>\n` re-render as one "\n\n"): the same text, cut into other tokens at the boundary.
+    - The last turn, where the server gave the output's ids ending with `<|im_end|>` and the prompt matched: the
+      published ids are the server's prompt ids, the model's own output ids, then what the template writes after
+      `<|im_end|>` (its "\n"); the mask keeps the re-render's over the prompt part and supervises every output id
+      and that "\n" (SpecForge's `qwen3.5` span runs from after `<|im_start|>assistant\n<think>\n`, where the
+      prompt ends, through `<|im_end|>\n`). `drift` says whether the re-render's last turn was those ids. With
+      `include_reasoning` off (Param mask_reasoning) the re-render is kept: its answer-only mask is drawn on the
+      re-rendered text."""
+    check = IdsCheck()
+    prompt, output = row.get("server_prompt_ids"), row.get("server_output_ids")
+    if prompt is None:
+        return check
+    n, server = len(prompt), np.asarray(prompt, dtype=ids.dtype)
+    exact = len(ids) > n and bool(np.array_equal(ids[:n], server))
+    merged = not exact and n > 0 and len(ids) > n and bool(np.array_equal(ids[:n - 1], server[:-1]))
+    check.prompt_ids_match = exact or merged
+    if not check.prompt_ids_match or not output or output[-1] != im_end or not include_reasoning:
+        return check  # a cut answer (no `<|im_end|>`) keeps the re-render: the template closes it
+    start = n if exact else n - 1  # where the re-render's own tokens of the last turn begin
+    ends = np.flatnonzero(ids == im_end)
+    last = int(ends[-1]) if len(ends) else len(ids) - 1
+    if last < start:
+        return check
+    suffix = ids[last + 1:]
+    check.rerendered_tail = ids[start:last + 1].tolist()
+    check.model_tail = prompt[start:] + list(output)
+    check.drift = "none" if exact and check.rerendered_tail == check.model_tail else "differs"
+    check.ids = np.concatenate([server, np.asarray(output, dtype=ids.dtype), suffix])
+    check.mask = np.concatenate([mask[:start], np.zeros(n - start, dtype=mask.dtype),
+                                 np.ones(len(output) + len(suffix), dtype=mask.dtype)])
+    return check
+
+
+def raw_tool_call_turns(tokenizer, turns: list[dict], tools: list[dict] | None, row: dict, ids: np.ndarray,
+                        include_reasoning: bool) -> list[dict] | None:
+    """The conversation with its last turn's answer as the model wrote it (tool calls as their raw text in `content`,
+    no parsed `tool_calls`), when that re-renders to the published token-exact `ids`: a trainer re-rendering
+    `conversations` (SpecForge's online path) then gets the model's tokens where the tool-call parser re-typed a
+    value. None when it does not (whitespace the template normalizes is in it too)."""
+    text = tokenizer.decode(row["server_output_ids"][:-1], skip_special_tokens=False)
+    answer = text.split("</think>", 1)[1] if "</think>" in text else text
+    last = {**turns[-1], "content": answer, "tool_calls": None}
+    candidate = [*turns[:-1], last]
+    try:
+        [(again, _)] = tokenize_batch(tokenizer, [(candidate, tools)], include_reasoning=include_reasoning)
+    except TokenizeError:
+        return None
+    return candidate if np.array_equal(again, ids) else None
+
+
+DRIFT_CAUSES = ("whitespace", "tool_value", "other")
+
+
+def drift_cause(tokenizer, model_ids: list[int], rerendered_ids: list[int]) -> str:
+    """Why the re-rendered last turn is not the model's ids: `tool_value` when the text from the first
+    `<tool_call>` on differs (the tool-call parser re-typed or re-serialized a value: `1.50` -> `1.5`,
+    `{"a":1}` -> `{"a": 1}`, `True` -> `true`); else `whitespace` when the texts differ only in whitespace (around
+    `</think>`, at the turn's ends, or the same text split into other tokens); else `other`."""
+    model = tokenizer.decode(model_ids, skip_special_tokens=False)
+    again = tokenizer.decode(rerendered_ids, skip_special_tokens=False)
+    tail = "<tool_call>"
+    if (tail in model or tail in again) and model[model.find(tail):] != again[again.find(tail):]:
+        return "tool_value"
+    if "".join(model.split()) == "".join(again.split()):
+        return "whitespace"
+    return "other"
 
 
 def rerender_token_delta(ids: np.ndarray, row: dict, think_start: int, im_end: int) -> int | None:

@@ -109,6 +109,16 @@ def quality_report(run: Path, airflow_run: dict | None = None) -> dict:
                       "empty": sum(1 for m in masks if m <= empty_at),
                       "histogram": histogram(masks, split_at=empty_at)},
         "data_docs": layout.data_docs_index.is_file(),
+        "server_ids": _server_ids(quality),
     }
+
+
+def _server_ids(quality: dict | None) -> dict | None:
+    """The samples held against their server's token ids (quality.json; None before a run that compared any)."""
+    if not quality or "prompt_ids_compared" not in quality:
+        return None
+    return {key: quality.get(key) for key in ("prompt_ids_compared", "prompt_ids_mismatch",
+                                              "prompt_ids_mismatch_samples", "token_exact", "record_exact",
+                                              "rerender_drift")}
 
 

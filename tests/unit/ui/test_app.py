@@ -167,6 +167,22 @@ def test_quality_page_shows_failed_expectations_counts_and_the_empty_answer_spik
     assert "expect_<wbr>column_<wbr>values_<wbr>to_<wbr>be_<wbr>between" in html  # wraps between words only
 
 
+def test_quality_page_shows_the_samples_held_against_their_servers_ids(client, root):
+    html = client.get(f"/runs/{RUN}/quality").text
+    assert "No sample was compared" in html  # a report before issue 37, or a version without ids while streaming
+    path = RunLayout.of(root, FOLDER).report("quality")
+    report = json.loads(path.read_text())
+    path.write_text(json.dumps({**report, "prompt_ids_compared": 8, "prompt_ids_mismatch": 2,
+                                "prompt_ids_mismatch_samples": ["s3", "s7"], "token_exact": 6, "record_exact": 4,
+                                "rerender_drift": {"compared": 6, "whitespace": 2, "tool_value": 1, "other": 0}}))
+    assert client.get(f"/runs/{RUN}/quality.json").json()["server_ids"]["prompt_ids_mismatch"] == 2
+    html = client.get(f"/runs/{RUN}/quality").text
+    assert '<b id="prompt-ids-mismatch">2</b> of 8 samples' in html and "2 prompts differ" in html
+    assert "s3, s7" in html and "6 last turns are published token-exact" in html
+    assert "differs in 3 (2 whitespace, 1 tool values re-typed, 0 other)" in html
+    assert "re-render to the model's ids on 4." in html
+
+
 def test_fleet_page_shows_allocation_smoke_and_progress_without_double_counting_parts(client):
     report = client.get(f"/runs/{RUN}/fleet.json").json()
     progress = report["progress"]
