@@ -79,6 +79,10 @@ if ! start_dockerd "$DRIVER"; then
   start_dockerd vfs || { tail -20 "$STATE/dockerd.log"; exit 1; }
 fi
 echo "dockerd $($DOCKER version --format '{{.Server.Version}}') on $DOCKER_HOST, storage $DRIVER"
+# What an interrupted rehearsal left (its containers restart with the daemon): gone before anything starts.
+$DOCKER ps -aq | xargs -r $DOCKER rm -f >/dev/null
+$DOCKER volume ls -q | xargs -r $DOCKER volume rm >/dev/null
+$DOCKER network prune -f >/dev/null
 $SUDO iptables -C "${EGRESS_RULE[@]}" 2>/dev/null || $SUDO iptables -I "${EGRESS_RULE[@]}"
 
 # --- images, each tagged with the hash of its inputs --------------------------------------------------------

@@ -126,12 +126,13 @@ class Stack:
     def wait_healthy(self, services: tuple[str, ...], timeout_s: float = 900) -> None:
         deadline = time.monotonic() + timeout_s
         while True:
-            health = {s: self.inspect(s, "{{if .State.Health}}{{.State.Health.Status}}{{else}}none{{end}}")
+            health = {s: self.inspect(s, "{{.State.Status}}/{{if .State.Health}}{{.State.Health.Status}}{{end}}")
                       for s in services}
-            if all(h == "healthy" for h in health.values()):
+            if all(h == "running/healthy" for h in health.values()):
                 return
+            # not at the first "unhealthy": a loaded machine can time a check out and pass the next one
             if time.monotonic() > deadline:
-                raise AssertionError(f"not healthy after {timeout_s:.0f} s: {health}\n{self.logs(tail=30)}")
+                raise AssertionError(f"not all healthy: {health}\n{self.logs(tail=30)}")
             time.sleep(3)
 
     def logs(self, *services: str, tail: int = 200) -> str:

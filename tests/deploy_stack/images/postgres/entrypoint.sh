@@ -14,7 +14,9 @@ if [ ! -s "$PGDATA/PG_VERSION" ]; then
     exit 1
   fi
   pwfile=$(mktemp); printf '%s\n' "$POSTGRES_PASSWORD" >"$pwfile"
-  initdb --username="$user" --pwfile="$pwfile" --auth-local=trust --auth-host=scram-sha-256 -D "$PGDATA" >/dev/null
+  # UTF8, as the official image (its LANG is en_US.utf8): psycopg 3 returns bytes from an SQL_ASCII database
+  initdb --username="$user" --pwfile="$pwfile" --auth-local=trust --auth-host=scram-sha-256 --encoding=UTF8 \
+    --locale=C.UTF-8 -D "$PGDATA" >/dev/null
   rm -f "$pwfile"
   echo "host all all all scram-sha-256" >>"$PGDATA/pg_hba.conf"
   if [ "$db" != postgres ]; then
