@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
 # The tests' programs from Debian's archive, each installed if missing (the tests start them on loopback):
 # Chromium for the browser tests (Playwright never downloads a browser here), redis-server for the two-node
-# Celery test, prometheus for tests/integration/test_monitoring.py and wget for the monitoring profile's
-# dashboard download (tests/deploy/test_compose.py). One `apt-get update` for all.
+# Celery test, prometheus for tests/integration/test_monitoring.py, wget for the monitoring profile's
+# dashboard download and docker-compose (Compose v1: its `config` reads docker-compose.yaml, no Docker engine) for
+# tests/deploy/test_compose.py. One `apt-get update` for all.
 set -euo pipefail
 packages=() lean=()  # lean: --no-install-recommends (prometheus alone, without the node exporter and its friends)
 [ -x /usr/bin/chromium ] || packages+=(chromium)
 command -v redis-server >/dev/null || packages+=(redis-server)
 command -v prometheus >/dev/null || lean+=(prometheus)
 command -v wget >/dev/null || lean+=(wget)
+command -v docker-compose >/dev/null || lean+=(docker-compose)
 [ $((${#packages[@]} + ${#lean[@]})) -eq 0 ] && exit 0
 SUDO=""
 [ "$(id -u)" -eq 0 ] || SUDO="sudo"

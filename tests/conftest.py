@@ -27,6 +27,9 @@ os.environ.pop("DFLASH_SGLANG_API_KEY", None)
 os.environ["HF_HUB_OFFLINE"] = "1"  # `datasets` must never reach for a hub in tests
 os.environ["HF_DATASETS_CACHE"] = tempfile.mkdtemp(prefix="dflash-hf-datasets-")
 
+# tests/deploy_stack/ is the deployment rehearsal: only `make test-deploy` runs it (its own dockerd and images).
+collect_ignore = [] if os.environ.get("DFLASH_REHEARSAL_STATE") else ["deploy_stack"]
+
 # Fast emulated model for tests: a 2,000-token answer streams in ~0.1 s.
 FAST_PROFILE = {"decode_tokens_per_s": 20000, "startup_s": 0.1}
 

@@ -1,8 +1,11 @@
 """The GPU node's docker-compose.yaml, its image and .env.example keep the promises of README.md and
 docs/operations.md.
 
-`docker compose config` is the real validator and runs where the Compose v2 plugin is installed; the
-structural checks below hold everywhere (no Docker engine needed) and fail if the file regresses.
+The file is read as Compose reads it: `docker-compose config` (Debian's Compose v1, which
+scripts/install-test-packages.sh installs; no Docker engine needed) resolves the variables, the anchors and the
+relative paths, on a copy without the top-level `name:` (v1 rejects it; `-p` gives it). `docker compose config`
+(v2, the node's) runs too where the plugin is installed. The whole stack runs in `make test-deploy`
+(tests/deploy_stack/).
 """
 
 import json
@@ -26,33 +29,29 @@ LONG_RUNNING = (AIRFLOW_SERVICES - {"airflow-init"}) | {"postgres", "redis"}
 SECRETS = {"POSTGRES_PASSWORD", "AIRFLOW_FERNET_KEY", "AIRFLOW_JWT_SECRET", "AIRFLOW_API_SECRET_KEY",
            "AIRFLOW_ADMIN_PASSWORD", "DFLASH_SGLANG_API_KEY", "DFLASH_METRICS_TOKEN"}
 SECRET_NAME = re.compile(r"(PASSWORD|SECRET|_KEY|TOKEN)$")  # names of values that are secrets
-# ${VAR}, ${VAR:-default}, ${VAR-default}, ${VAR:?message}, ${VAR?message}; "$$" is a literal "$".
+# A reference in the file's text: ${VAR}, ${VAR:-default}, ${VAR:?message} ("$$" is a literal "$"). Only to read
+# what the file says; Compose itself does the substitution (compose_config).
 REF = re.compile(r"(?<!\$)\$\{(?P<name>[A-Za-z_][A-Za-z0-9_]*)(?:(?P<op>:?[-?])(?P<arg>[^}]*))?\}")
+COMPOSE_V1 = shutil.which("docker-compose")
+needs_compose = pytest.mark.skipif(COMPOSE_V1 is None, reason="docker-compose (Debian's Compose v1) is not "
+                                   "installed: scripts/install-test-packages.sh installs it")
 
 
-class MissingVariable(Exception):
+class ComposeRefused(Exception):
     pass
 
 
-def interpolate(value, env: dict[str, str]):
-    """Compose's variable substitution, applied to every string of a loaded file."""
-    if isinstance(value, dict):
-        return {k: interpolate(v, env) for k, v in value.items()}
-    if isinstance(value, list):
-        return [interpolate(v, env) for v in value]
-    if not isinstance(value, str):
-        return value
-
-    def substitute(m: re.Match) -> str:
-        name, op, arg = m["name"], m["op"] or "", m["arg"] or ""
-        is_set = name in env and (env[name] != "" or not op.startswith(":"))
-        if is_set:
-            return env[name]
-        if op.endswith("?"):
-            raise MissingVariable(f"{name}: {arg}")
-        return arg
-
-    return REF.sub(substitute, value).replace("$$", "$")
+def compose_config(env: dict[str, str], tmp: Path) -> dict:
+    """The file as `docker-compose config` resolves it with `env` as the .env (and nothing from this process)."""
+    copy, env_file = tmp / "docker-compose.yaml", tmp / "env"
+    copy.write_text(re.sub(r"(?m)^name: .*\n", "", COMPOSE.read_text(), count=1))
+    env_file.write_text("".join(f"{k}={v}\n" for k, v in env.items()))
+    done = subprocess.run([COMPOSE_V1, "--project-directory", str(ROOT), "--env-file", str(env_file), "-p",
+                           "dflash-regen", "-f", str(copy), "config"], capture_output=True, text=True, check=False,
+                          env={"PATH": "/usr/bin:/bin"}, timeout=120)
+    if done.returncode != 0:
+        raise ComposeRefused(done.stderr)
+    return yaml.safe_load(done.stdout)
 
 
 def read_env_file(path: Path) -> dict[str, str]:
@@ -77,8 +76,17 @@ def filled_env(env_example) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def services(raw, filled_env) -> dict[str, dict]:
-    return interpolate(raw, filled_env)["services"]
+def config(tmp_path_factory):
+    """compose_config(env) in a fresh folder each call."""
+    if COMPOSE_V1 is None:
+        pytest.skip("docker-compose (Debian's Compose v1) is not installed: scripts/install-test-packages.sh "
+                    "installs it")
+    return lambda env: compose_config(env, tmp_path_factory.mktemp("compose"))
+
+
+@pytest.fixture(scope="module")
+def services(config, filled_env) -> dict[str, dict]:
+    return config(filled_env)["services"]
 
 
 def environment(service: dict) -> dict[str, str]:
@@ -88,7 +96,7 @@ def environment(service: dict) -> dict[str, str]:
 
 
 def mounts(service: dict) -> dict[str, tuple[str, str]]:
-    """Container path -> (source, mode) of a service's short-syntax volumes."""
+    """Container path -> (source, mode) of a service's volumes as Compose resolves them (absolute host paths)."""
     result = {}
     for spec in service.get("volumes", []):
         source, target, *mode = spec.split(":")
@@ -146,10 +154,10 @@ def test_gpu_worker_reserves_every_nvidia_gpu(services):
     assert gpu_holders == {"airflow-gpu-worker", "airflow-gpu-worker-2"}
 
 
-def test_a_second_gpu_node_is_a_worker_on_its_own_queue_against_node_ones_services(raw, filled_env):
+def test_a_second_gpu_node_is_a_worker_on_its_own_queue_against_node_ones_services(config, filled_env):
     """Started alone on the second machine (profile, --no-deps): Redis, Postgres and the api-server are node 1's."""
     env = {**filled_env, "DFLASH_CONTROL_HOST": "10.0.0.1", "DFLASH_NODES": '[{"name": "a"}, {"name": "b"}]'}
-    services = interpolate(raw, env)["services"]
+    services = config(env)["services"]
     first, second = services["airflow-gpu-worker"], services["airflow-gpu-worker-2"]
     assert second["profiles"] == ["second-node"]
     assert second["command"].split() == ["celery", "worker", "--queues", "gpu-node-2"] != first["command"].split()
@@ -200,9 +208,9 @@ def test_every_airflow_container_sees_the_same_output_root(services):
 
 
 @pytest.mark.parametrize("queue", [None, "gpu-node-2"])
-def test_gpu_worker_listens_on_the_queue_the_dag_is_parsed_with(raw, filled_env, queue):
+def test_gpu_worker_listens_on_the_queue_the_dag_is_parsed_with(config, filled_env, queue):
     env = dict(filled_env) if queue is None else {**filled_env, "DFLASH_WORKER_QUEUE": queue}
-    services = interpolate(raw, env)["services"]
+    services = config(env)["services"]
     expected = queue or filled_env["DFLASH_WORKER_QUEUE"]
     assert services["airflow-gpu-worker"]["command"].split() == ["celery", "worker", "--queues", expected]
     # The dag-processor parses the DAG (the queue is fixed there); the workers parse it again to run tasks.
@@ -223,8 +231,8 @@ def container_file(service: dict, path: str) -> Path:
     """The repository file (or folder) a service's bind mount shows at container path `path`."""
     for target, (source, _) in mounts(service).items():
         if path == target or path.startswith(target + "/"):
-            assert source.startswith("./"), f"{target} is not a repository file: {source}"
-            return ROOT / source / path[len(target):].lstrip("/")
+            assert Path(source).is_relative_to(ROOT), f"{target} is not a repository file: {source}"
+            return Path(source) / path[len(target):].lstrip("/")
     raise AssertionError(f"nothing is mounted at {path}")
 
 
@@ -255,16 +263,17 @@ def test_prometheus_reads_the_pipelines_metrics_with_the_api_servers_token(raw, 
     assert job["metrics_path"] == URL_PREFIX + "/metrics"
     host, port = job["static_configs"][0]["targets"][0].split(":")
     assert host == "airflow-apiserver" and services[host]["command"] == "api-server"
-    assert services[host]["ports"][0].endswith(f":{port}")
+    assert services[host]["ports"][0].endswith(f":{port}/tcp")
     token_file = job["authorization"]["credentials_file"]
-    assert f'printf \'%s\' "$DFLASH_METRICS_TOKEN" > {token_file}' in script
+    # `config` prints "$$" (a literal "$" to the shell, not a variable of compose's) as it reads it
+    assert f'printf \'%s\' "$$DFLASH_METRICS_TOKEN" > {token_file}' in script
     for name in ("prometheus", "airflow-apiserver"):
         assert environment(raw["services"][name])["DFLASH_METRICS_TOKEN"].startswith("${DFLASH_METRICS_TOKEN:?")
 
 
 def test_grafana_is_provisioned_with_prometheus_and_the_dashboards(services):
     grafana, prometheus = services["grafana"], services["prometheus"]
-    assert grafana["profiles"] == ["monitoring"] and grafana["ports"] == ["127.0.0.1:3000:3000"]
+    assert grafana["profiles"] == ["monitoring"] and grafana["ports"] == ["127.0.0.1:3000:3000/tcp"]
     sources = yaml.safe_load(container_file(grafana, "/etc/grafana/provisioning/datasources/prometheus.yaml")
                              .read_text())["datasources"]
     assert len(sources) == 1 and sources[0]["type"] == "prometheus" and sources[0]["isDefault"]
@@ -365,7 +374,7 @@ def test_the_download_installs_only_the_pinned_bytes(tmp_path):
 
 # ------------------------------------------------------------------------------------------ api-server, health
 def test_api_server_publishes_port_8080_on_loopback_by_default(services):
-    assert services["airflow-apiserver"]["ports"] == ["127.0.0.1:8080:8080"]
+    assert services["airflow-apiserver"]["ports"] == ["127.0.0.1:8080:8080/tcp"]
     assert "localhost:8080" in " ".join(services["airflow-apiserver"]["healthcheck"]["test"])
 
 
@@ -417,11 +426,13 @@ def test_secrets_are_references_that_compose_requires(raw, services):
     assert "DFLASH_SGLANG_API_KEY" in environment(services["airflow-gpu-worker"])
 
 
-def test_compose_refuses_to_start_while_a_secret_is_empty(raw, env_example, filled_env):
+def test_compose_refuses_to_start_while_a_secret_is_empty(config, env_example, filled_env):
     assert {name for name in SECRETS if env_example.get(name) == ""} == SECRETS  # placeholders only
     for secret in SECRETS:
-        with pytest.raises(MissingVariable, match=secret):
-            interpolate(raw, {**filled_env, secret: ""})
+        with pytest.raises(ComposeRefused, match=f"set {secret} in .env"):
+            config({**filled_env, secret: ""})
+    with pytest.raises(ComposeRefused, match="set POSTGRES_PASSWORD in .env"):  # absent is refused as empty is
+        config({name: value for name, value in filled_env.items() if name != "POSTGRES_PASSWORD"})
 
 
 def test_env_file_stays_out_of_git_and_the_image():

@@ -27,7 +27,8 @@ def check_output_root(root: Path) -> None:
         probe.write_bytes(b"")
         probe.unlink()
     except OSError as exc:
-        raise ConfigError(f"Param output_root {str(root)!r} is not writable ({exc.strerror or exc}): set it to a "
+        raise ConfigError(f"Param output_root {str(root)!r} is not writable by uid {os.getuid()} "
+                          f"({exc.strerror or exc}): set it to a "
                           "directory this worker can write (e.g. a data disk with free space), or fix its "
                           "permissions/mount; nothing was staged or launched") from exc
     if not os.access(root, os.W_OK | os.X_OK):

@@ -15,7 +15,8 @@ GOOD = {"id": "a", "messages": [{"role": "user", "content": "hi"}]}
 
 def test_an_output_root_under_a_file_names_the_param_and_the_fix(tmp_path):
     (tmp_path / "file").write_text("x")
-    with pytest.raises(ConfigError, match=r"^Param output_root '.*/file/out' is not writable \(Not a directory\): "
+    with pytest.raises(ConfigError, match=r"^Param output_root '.*/file/out' is not writable by uid \d+ \(Not a "
+                                          r"directory\): "
                                           "set it to a directory this worker can write"):
         inputs.check_output_root(tmp_path / "file" / "out")
     inputs.check_output_root(tmp_path / "new" / "out")
@@ -24,8 +25,8 @@ def test_an_output_root_under_a_file_names_the_param_and_the_fix(tmp_path):
 
 def test_a_read_only_output_root_names_the_param(tmp_path):
     with tmpfs(tmp_path / "ro", "ro,size=1m", "a read-only filesystem") as ro, \
-            pytest.raises(ConfigError, match=r"^Param output_root '.*/ro/out' is not writable \(Read-only file "
-                                             r"system\)"):
+            pytest.raises(ConfigError, match=r"^Param output_root '.*/ro/out' is not writable by uid \d+ \(Read-only "
+                                             r"file system\)"):
         inputs.check_output_root(ro / "out")
 
 
