@@ -29,4 +29,5 @@ def stack() -> Stack:
     yield s
     s.compose("--profile", "monitoring", "--profile", "second-node", "down", "--volumes", "--remove-orphans",
               check=False)
-    shutil.rmtree(f"/dev/shm/{MODEL_NAME}", ignore_errors=True)
+    for staged in (MODEL_NAME, f"{MODEL_NAME}-node-2"):  # both nodes stage to this host's /dev/shm
+        shutil.rmtree(f"/dev/shm/{staged}", ignore_errors=True)
