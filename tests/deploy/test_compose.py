@@ -197,7 +197,7 @@ def test_gpu_worker_mounts_the_sglang_venv_and_models_read_only(services):
     assert builder["entrypoint"][-2:] == ["/opt/dflash-regen/scripts/build-sglang-venv.sh", venv]
     assert (ROOT / "scripts" / "build-sglang-venv.sh").is_file()
     # ... from the version's lock, which the script looks for beside its own folder: ../deploy/sglang-locks.
-    assert mounts(builder)["/opt/dflash-regen/deploy/sglang-locks"] == ("./deploy/sglang-locks", "ro")
+    assert mounts(builder)["/opt/dflash-regen/deploy/sglang-locks"] == (str(ROOT / "deploy" / "sglang-locks"), "ro")
 
 
 def test_every_airflow_container_sees_the_same_output_root(services):
