@@ -214,7 +214,7 @@ def page_summary(times: dict[str, list[float]]) -> dict:
             for k, v in times.items()}
 
 
-def dag_runs(work: Path, prompts: Path, n: int, poll_s: float) -> dict:
+def dag_runs(work: Path, prompts: Path, n: int, poll_s: float, rerun: bool = True) -> dict:
     from live_airflow import LiveAirflow
 
     out = work / "out"
@@ -232,7 +232,8 @@ def dag_runs(work: Path, prompts: Path, n: int, poll_s: float) -> dict:
     template = os.environ.get("DFLASH_BENCH_AIRFLOW_DB")  # a migrated DB to copy (tests/conftest.py's)
     af.start(timeout_s=600, db=Path(template) if template else None)
     try:
-        for label, conf in [("first", params), ("rerun", {**params, "max_truncated_share": 0.05})]:
+        runs = [("first", params), ("rerun", {**params, "max_truncated_share": 0.05})]
+        for label, conf in runs if rerun else runs[:1]:
             run_id = f"seed_{label}_{n}"
             poller = Poller(af, run_id, poll_s, af.procs["scheduler"].pid)
             t = time.monotonic()
@@ -261,7 +262,7 @@ def dag_runs(work: Path, prompts: Path, n: int, poll_s: float) -> dict:
     return result
 
 
-def one_size(n: int, poll_s: float, with_dag: bool) -> dict:
+def one_size(n: int, poll_s: float, with_dag: bool, rerun: bool = True) -> dict:
     work = work_dir(f"seed-{n}")
     t = time.monotonic()
     prompts = write_seed_prompts(work / "prompts" / "seed.jsonl", n)
@@ -271,7 +272,7 @@ def one_size(n: int, poll_s: float, with_dag: bool) -> dict:
     argv = cli_argv("plan", params, f"plan_{n}", str(prompts), folder=work)
     got["planning"] = run_measured(argv, work / "plan.log")
     if with_dag:
-        got["dag"] = dag_runs(work, prompts, n, poll_s)
+        got["dag"] = dag_runs(work, prompts, n, poll_s, rerun)
     return got
 
 
@@ -286,7 +287,8 @@ def main() -> None:
     ap.add_argument("--no-dag", action="store_true", help="the pieces only (planning), not the DAG")
     args = ap.parse_args()
     n = 1_000 if args.quick else args.prompts
-    sizes = {"small": one_size(n // 10, args.poll_s, not args.no_dag)}
+    # --quick (the suite's smoke test): no rerun at N/10, which no figure uses (one whole DAG run less)
+    sizes = {"small": one_size(n // 10, args.poll_s, not args.no_dag, rerun=not args.quick)}
     (args.out / "seed_size.partial.json").parent.mkdir(parents=True, exist_ok=True)
     (args.out / "seed_size.partial.json").write_text(json.dumps(sizes, indent=1))
     sizes["large"] = one_size(n, args.poll_s, not args.no_dag)
