@@ -27,12 +27,31 @@ on its own queue: its fleet setups, its share of the shards (by the rate `calibr
 
 from __future__ import annotations
 
-import contextlib
 import datetime as dt
+from collections.abc import Sequence
 
-from airflow.sdk import Asset, Param, TaskGroup, chain, dag, setup, task, task_group, teardown
+from airflow.sdk import Asset, Param, TaskGroup, XComArg, chain, dag, setup, task, task_group, teardown
 
 from dflash_regen import tasks
+from dflash_regen.notifiers import RunNotifier
+from dflash_regen.payloads import (
+    Assignment,
+    Calibrated,
+    CheckedInputs,
+    Fleet,
+    Generated,
+    Health,
+    NodeReady,
+    Published,
+    Pulled,
+    Shard,
+    Smoke,
+    Staged,
+    Tokenized,
+    Tuned,
+    Validated,
+    Verdict,
+)
 from dflash_regen.settings import nodes
 from dflash_regen.settings.deployment import GENERATE_RETRIES_MAX, deployment
 from dflash_regen.settings.params import trigger_form
@@ -67,159 +86,196 @@ PARAMS = {name: Param(**spec) for name, spec in trigger_form(DEPLOYMENT, nodes=b
     # is recorded for the run's message (until it succeeds after a clear) and, a gate or a shard, told at once
     # (docs/be-told-and-watch.md).
     default_args={"retries": 1, "retry_delay": dt.timedelta(seconds=10),
-                  "on_failure_callback": [tasks.log_reason, tasks.RunNotifier("task_failed")],
-                  "on_success_callback": tasks.RunNotifier("task_succeeded"),
+                  "on_failure_callback": [tasks.log_reason, RunNotifier("task_failed")],
+                  "on_success_callback": RunNotifier("task_succeeded"),
                   "on_retry_callback": tasks.log_reason, **NODE_QUEUE},
-    on_failure_callback=tasks.RunNotifier("run_failed"),
-    on_success_callback=tasks.RunNotifier("published"),  # the run succeeds only when it published (check_published)
+    on_failure_callback=RunNotifier("run_failed"),
+    on_success_callback=RunNotifier("published"),  # the run succeeds only when it published (check_published)
 )
 def dflash_regen():
-    # One node: after planning, skipped when the completion store holds every prompt's completion (and the fleet
-    # with it). Several: after check_inputs, one per node (to its own RAM disk).
-    @task
-    def stage_weights(shards: list[dict] | None, checked: dict | None, params=None, run_id=None, node=None) -> dict:
-        return tasks.stage_weights(params, run_id, shards, checked, node=node)
-
-    @setup
-    @task
-    def launch_fleet(staged: dict, params=None, run_id=None, node=None) -> dict:
-        return tasks.launch_fleet(params, run_id, staged["model_path"], node=node)
-
-    @setup
-    @task(retries=0)
-    def health_check(fleet: dict, params=None, run_id=None, node=None) -> dict:
-        return tasks.health_check(params, run_id, fleet, node=node)
-
-    @setup
-    @task(retries=0)
-    def smoke_test(fleet: dict, params=None, run_id=None, node=None) -> dict:
-        return tasks.smoke_test(params, run_id, fleet, node=node)
-
-    # Tries server settings on the first GPU and, with Param autotune = apply, relaunches the fleet with the fastest;
-    # returns the fleet it leaves, the one calibrate measures.
-    @setup
-    @task(retries=0)
-    def autotune(staged: dict, fleet: dict, shards: list[dict], params=None, run_id=None, node=None) -> dict:
-        return tasks.autotune_fleet(params, run_id, staged["model_path"], fleet, shards, node=node)
-
-    @task
-    def plan_shards(params=None, run_id=None) -> list[dict]:
-        return tasks.plan_shards(params, run_id)
-
-    @setup
-    @task
-    def calibrate(fleet: dict, shards: list[dict], params=None, run_id=None, node=None) -> dict:
-        return tasks.calibrate(params, run_id, fleet, shards, node=node)
-
-    # Airflow fixes retries at parse time: the most here; the run's generate_retries Param stops earlier.
-    @task(retries=GENERATE_RETRIES_MAX, retry_delay=dt.timedelta(seconds=5), retry_exponential_backoff=2.0,
-          max_retry_delay=dt.timedelta(minutes=2), max_active_tis_per_dagrun=PARALLEL_SHARDS,
-          map_index_template="{{ shard.label }}", on_success_callback=tasks.RunNotifier("progress"),
-          retry_policy=tasks.GenerateRetries())
-    def generate(shard: dict, params=None, run_id=None, ti=None, node=None) -> dict:
-        return tasks.generate(params, run_id, shard, node=node, ti=ti)
-
-    # none_failed: a shard's generate skipped with the fleet (the store supplied it) still leaves it to tokenize.
-    @task(map_index_template="{{ 'shard %04d' | format(shard.shard) }}", trigger_rule="none_failed")
-    def tokenize(generated: dict | None, shard: dict, params=None, run_id=None, node=None) -> dict:
-        return tasks.tokenize_shard(params, run_id, generated, shard, node=node)
-
-    # Several nodes: a node left out (its tasks skipped) does not stop validation of the others' shards.
-    @task(retries=0, trigger_rule="none_failed_min_one_success" if NODES else "all_success")
-    def validate(shards: list[dict], params=None, run_id=None) -> dict:
-        return tasks.validate(params, run_id, shards)
-
-    @task(outlets=[DATASET])
-    def publish(validated: dict, params=None, run_id=None, outlet_events=None) -> dict:
-        result = tasks.publish_dataset(params, run_id, validated)
-        outlet_events[DATASET].extra = result
-        return result
-
-    # First in line for a free executor slot: idle GPUs stay held until it runs (tokenize tasks queue up then).
-    @teardown
-    @task(priority_weight=TEARDOWN_PRIORITY, weight_rule="absolute")
-    def stop_fleet(fleet: dict) -> list[str]:
-        return tasks.stop_fleet(fleet)
-
-    # The run's verdict. Airflow counts skipped leaves as success, so a run marked failed by hand (its pending
-    # tasks skipped) would turn green once its teardown ran; a teardown still runs then, and with
-    # on_failure_fail_dagrun its result is the run's state: published, or failed.
-    @teardown(on_failure_fail_dagrun=True)
-    @task(retries=0)
-    def check_published(params=None, run_id=None) -> dict:
-        return tasks.check_published(params, run_id)
-
-    # Several nodes only: the inputs and lock once for all nodes, and the shards split by each node's measured rate.
-    @task
-    def check_inputs(params=None, run_id=None) -> dict:
-        return tasks.check_inputs(params, run_id)
-
-    @task(trigger_rule="none_failed")  # a node left out (skipped) does not stop the others
-    def assign_shards(shards: list[dict], params=None, run_id=None) -> dict:
-        return tasks.assign_shards(params, run_id, shards, [n.name for n in NODES])
-
-    @task
-    def node_ready(calibrated: dict, params=None, run_id=None, node=None) -> dict:
-        return tasks.node_ready(params, run_id, calibrated, node)
-
-    @task
-    def node_shards(assigned: dict, name: str) -> list[dict]:
-        return assigned[name]
-
-    def per_shard(shards, ready, stop, node: dict | None, on_node: dict):
-        """generate -> tokenize for each shard, one mapped task group: a shard's tokenize starts when its own
-        generate ends (the CPU work overlaps the GPU work), and a failed shard holds back only its own. The
-        teardown waits for generation alone. prefix_group_id=False keeps the task ids (generate, or
-        <node>.generate) that a clear, the README and the report pages name."""
-        prefix = f"{node['name']}." if node else ""
-
-        @task_group(group_id="shard", prefix_group_id=False)
-        def shard_tasks(shard: dict):
-            # By keyword: the map index templates read their task's keyword arguments (shard, generated).
-            generated = generate.override(task_id=prefix + "generate", **on_node)(shard=shard, node=node)
-            ready >> generated >> stop  # the servers are not needed past generation
-            tokenized = tokenize.override(task_id=prefix + "tokenize", **on_node)
-            return tokenized(generated=generated, shard=shard, node=node)
-
-        return shard_tasks.expand(shard=shards)
-
-    def gpu_node(node: nodes.Node | None, shards, checked, assigned):
-        """One GPU node's tasks: its staging, fleet setups (gated, tuned, calibrated), its shards and its teardown,
-        on its own queue. The one-node deployment is a group of one, its task ids without a node prefix."""
-        spec = node.to_dict() if node else None
-        on_node = {"queue": node.queue} if node and node.queue else {}  # queue cannot be mapped: one group per node
-        # One node stages after planning (so a run the store completes skips the fleet); several after check_inputs.
-        staged = stage_weights.override(**on_node)(None if node else shards, checked, node=spec)
-        fleet = launch_fleet.override(**on_node)(staged, node=spec)
-        health = health_check.override(**on_node)(fleet, node=spec)
-        smoked = smoke_test.override(**on_node)(fleet, node=spec)
-        tuned = autotune.override(**on_node)(staged, fleet, shards, node=spec)
-        calibrated = calibrate.override(**on_node)(tuned, shards, node=spec)  # one server, on the run's own prompts
-        gates = [health, smoked, tuned, calibrated]
-        chain(*gates)
-        stop = stop_fleet.override(**on_node)(fleet)  # launch's fleet dir: stopped even when autotune failed
-        # Every setup tied to the node's teardown: a setup then scopes only the tasks up to it (generate), so fleet
-        # setups skipped for a run the store completes skip no tokenize, validate or publish; and clearing a shard
-        # of another node leaves them alone (Airflow re-runs an upstream setup that has no teardown, whichever
-        # node it belongs to).
-        gates >> stop
-        mine = shards
-        if node:
-            node_ready.override(**on_node)(calibrated, node=spec) >> assigned  # skipped when the node is left out
-            mine = node_shards(assigned, node.name)
-        return per_shard(mine, calibrated, stop, spec, on_node)
-
+    """The one-node flow; with several nodes, `several_nodes` runs between planning and validation."""
     shards = plan_shards()  # consults the completion store: what is left to generate
-    checked, assigned = (check_inputs(), assign_shards(shards)) if NODES else (None, None)
-    tokenized = []
-    for node in NODES or [None]:
-        group = TaskGroup(node.name, tooltip=f"GPU node {node.name} (queue {node.queue or 'default'})") if node \
-            else contextlib.nullcontext()
-        with group:
-            tokenized.append(gpu_node(node, shards, checked, assigned))
-    validated = validate(shards)
-    tokenized >> validated
+    if NODES:
+        tokenized = several_nodes(shards)
+    else:
+        staged = stage_weights(shards, None)  # skipped, the fleet with it, when the store holds every completion
+        calibrated, stop = fleet_setups(staged, shards)  # launched, gated, tuned, calibrated; stop_fleet at the end
+        tokenized = [per_shard(shards, calibrated, stop)]  # generate -> tokenize, each shard
+    validated = validate(shards, tokenized)
     chain(validated, publish(validated), check_published())
+
+
+def fleet_setups(staged: XComArg, shards: XComArg, node: nodes.Node | None = None) -> tuple[XComArg, XComArg]:
+    """A node's fleet setups (launched, gated, tuned, calibrated on one server with the run's own prompts) and its
+    teardown (launch's fleet dir: stopped even when autotune failed); returns calibrate's value and the teardown.
+    Every setup is tied to the teardown: a setup then scopes only the tasks up to it (generate), so fleet setups
+    skipped for a run the store completes skip no tokenize, validate or publish; and clearing a shard of another
+    node leaves them alone (Airflow re-runs an upstream setup that has no teardown, whichever node it is on)."""
+    spec = node.to_dict() if node else None
+    fleet = on(node, launch_fleet)(staged, node=spec)
+    health = on(node, health_check)(fleet, node=spec)
+    smoked = on(node, smoke_test)(fleet, node=spec)
+    tuned = on(node, autotune)(staged, fleet, shards, node=spec)
+    gates = [health, smoked, tuned, on(node, calibrate)(tuned, shards, node=spec)]
+    chain(*gates)
+    stop = on(node, stop_fleet)(fleet)
+    gates >> stop
+    return gates[-1], stop
+
+
+def per_shard(shards: XComArg, ready: XComArg, stop: XComArg, node: nodes.Node | None = None) -> XComArg:
+    """generate -> tokenize for each shard, one mapped task group: a shard's tokenize starts when its own
+    generate ends (the CPU work overlaps the GPU work), and a failed shard holds back only its own. The
+    teardown waits for generation alone. prefix_group_id=False keeps the task ids (generate, or
+    <node>.generate) that a clear, the README and the report pages name."""
+    prefix, spec = (f"{node.name}.", node.to_dict()) if node else ("", None)
+
+    @task_group(group_id="shard", prefix_group_id=False)
+    def shard_tasks(shard: Shard):
+        # By keyword: the map index templates read their task's keyword arguments (shard, generated).
+        generated = on(node, generate).override(task_id=prefix + "generate")(shard=shard, node=spec)
+        ready >> generated >> stop  # the servers are not needed past generation
+        return on(node, tokenize).override(task_id=prefix + "tokenize")(generated=generated, shard=shard, node=spec)
+
+    tokenized = shard_tasks.expand(shard=shards)
+    assert isinstance(tokenized, XComArg)  # the group hands on what its last task returns: tokenize's results
+    return tokenized
+
+
+def several_nodes(shards: XComArg) -> list[XComArg]:
+    """Several nodes: the inputs and lock once for all, then a task group per node (its own queue and RAM disk),
+    the shards split by each node's measured rate; each node's tokenize results."""
+    checked, assigned = check_inputs(), assign_shards(shards)
+    return [gpu_node(node, shards, checked, assigned) for node in NODES]
+
+
+def gpu_node(node: nodes.Node, shards: XComArg, checked: XComArg, assigned: XComArg) -> XComArg:
+    """One GPU node of several: it stages after check_inputs, its fleet setups, its share of the shards (none
+    when it is left out) and its teardown."""
+    with TaskGroup(node.name, tooltip=f"GPU node {node.name} (queue {node.queue or 'default'})"):
+        staged = on(node, stage_weights)(None, checked, node=node.to_dict())
+        calibrated, stop = fleet_setups(staged, shards, node)
+        on(node, node_ready)(calibrated, node=node.to_dict()) >> assigned  # skipped when the node is left out
+        return per_shard(node_shards(assigned, node.name), calibrated, stop, node)
+
+
+def on(node: nodes.Node | None, task_fn):
+    """`task_fn` on the node's queue (a queue cannot be mapped: one group per node); unchanged for one node."""
+    return task_fn.override(queue=node.queue) if node and node.queue else task_fn
+
+
+# The tasks: each calls one function of tasks.py (the thin adapter), which calls its stage's library function.
+@task
+def plan_shards(params=None, run_id=None) -> list[Shard]:
+    return tasks.plan_shards(params, run_id)
+
+
+# One node: after planning, skipped when the completion store holds every prompt's completion (and the fleet
+# with it). Several: after check_inputs, one per node (to its own RAM disk).
+@task
+def stage_weights(shards: list[Shard] | None, checked: CheckedInputs | None, params=None, run_id=None,
+                  node: dict | None = None) -> Staged:
+    return tasks.stage_weights(params, run_id, shards, checked, node=node)
+
+
+@setup
+@task
+def launch_fleet(staged: Staged, params=None, run_id=None, node: dict | None = None) -> Fleet:
+    return tasks.launch_fleet(params, run_id, staged["model_path"], node=node)
+
+
+@setup
+@task(retries=0)
+def health_check(fleet: Fleet, params=None, run_id=None, node: dict | None = None) -> Health:
+    return tasks.health_check(params, run_id, fleet, node=node)
+
+
+@setup
+@task(retries=0)
+def smoke_test(fleet: Fleet, params=None, run_id=None, node: dict | None = None) -> Smoke:
+    return tasks.smoke_test(params, run_id, fleet, node=node)
+
+
+# Tries server settings on the first GPU and, with Param autotune = apply, relaunches the fleet with the fastest;
+# returns the fleet it leaves, the one calibrate measures.
+@setup
+@task(retries=0)
+def autotune(staged: Staged, fleet: Fleet, shards: list[Shard], params=None, run_id=None,
+             node: dict | None = None) -> Tuned:
+    return tasks.autotune_fleet(params, run_id, staged["model_path"], fleet, shards, node=node)
+
+
+@setup
+@task
+def calibrate(fleet: Tuned, shards: list[Shard], params=None, run_id=None, node: dict | None = None) -> Calibrated:
+    return tasks.calibrate(params, run_id, fleet, shards, node=node)
+
+
+# Airflow fixes retries at parse time: the most here; the run's generate_retries Param stops earlier.
+@task(retries=GENERATE_RETRIES_MAX, retry_delay=dt.timedelta(seconds=5), retry_exponential_backoff=2.0,
+      max_retry_delay=dt.timedelta(minutes=2), max_active_tis_per_dagrun=PARALLEL_SHARDS,
+      map_index_template="{{ shard.label }}", on_success_callback=RunNotifier("progress"),
+      retry_policy=tasks.GenerateRetries())
+def generate(shard: Shard, params=None, run_id=None, ti=None, node: dict | None = None) -> Generated:
+    return tasks.generate(params, run_id, shard, node=node, ti=ti)
+
+
+# none_failed: a shard's generate skipped with the fleet (the store supplied it) still leaves it to tokenize.
+@task(map_index_template="{{ 'shard %04d' | format(shard.shard) }}", trigger_rule="none_failed")
+def tokenize(generated: Generated | None, shard: Shard, params=None, run_id=None,
+             node: dict | None = None) -> Tokenized:
+    return tasks.tokenize_shard(params, run_id, generated, shard, node=node)
+
+
+# Each node's tokenize results (one node: one), every planned shard's expected. Several nodes: a node left out
+# (its tasks skipped) does not stop validation of the others' shards.
+@task(retries=0, trigger_rule="none_failed_min_one_success" if NODES else "all_success")
+def validate(shards: list[Shard], tokenized: Sequence[Pulled[Tokenized]], params=None, run_id=None) -> Validated:
+    return tasks.validate(params, run_id, shards, tokenized)
+
+
+@task(outlets=[DATASET])
+def publish(validated: Validated, params=None, run_id=None, outlet_events=None) -> Published:
+    result = tasks.publish_dataset(params, run_id, validated)
+    outlet_events[DATASET].extra = result
+    return result
+
+
+# First in line for a free executor slot: idle GPUs stay held until it runs (tokenize tasks queue up then).
+@teardown
+@task(priority_weight=TEARDOWN_PRIORITY, weight_rule="absolute")
+def stop_fleet(fleet: Fleet) -> list[str]:
+    return tasks.stop_fleet(fleet)
+
+
+# The run's verdict. Airflow counts skipped leaves as success, so a run marked failed by hand (its pending
+# tasks skipped) would turn green once its teardown ran; a teardown still runs then, and with
+# on_failure_fail_dagrun its result is the run's state: published, or failed.
+@teardown(on_failure_fail_dagrun=True)
+@task(retries=0)
+def check_published(params=None, run_id=None) -> Verdict:
+    return tasks.check_published(params, run_id)
+
+
+# Several nodes only: the inputs and lock once for all nodes, and the shards split by each node's measured rate.
+@task
+def check_inputs(params=None, run_id=None) -> CheckedInputs:
+    return tasks.check_inputs(params, run_id)
+
+
+@task(trigger_rule="none_failed")  # a node left out (skipped) does not stop the others
+def assign_shards(shards: list[Shard], params=None, run_id=None) -> Assignment:
+    return tasks.assign_shards(params, run_id, shards, [n.name for n in NODES])
+
+
+@task
+def node_ready(calibrated: Calibrated, params=None, run_id=None, node: dict | None = None) -> NodeReady:
+    return tasks.node_ready(params, run_id, calibrated, node)
+
+
+@task
+def node_shards(assigned: Assignment, name: str) -> list[Shard]:
+    return assigned[name]
 
 
 dflash_regen()

@@ -1,8 +1,8 @@
 """One exception tree for the pipeline: every class this package raises on purpose lives here.
 
 Every message says what happened, with which value, and what to do next. `tasks.fail_fast` turns every
-`NotRetryable` into a non-retryable task failure (retrying cannot fix it); the rest fail the task attempt
-and Airflow's retries (or a clear) try again.
+`NotRetryable` into a non-retryable task failure (retrying cannot fix it) and every `Skipped` into a skipped
+task; the rest fail the task attempt and Airflow's retries (or a clear) try again.
 
     DflashError
     ├── NotRetryable                 same inputs, same failure
@@ -30,6 +30,9 @@ and Airflow's retries (or a clear) try again.
     ├── ServerUnhealthy              the leased server stopped answering
     ├── NoServerFree                 every healthy server is leased
     ├── ShardFailed                  a shard stopped on its server (results kept)
+    ├── Skipped                      not a failure: the task has nothing to do
+    │   ├── Drained                  the operator drained the run
+    │   └── NothingToGenerate        the completion store holds every prompt's completion
     ├── SchemaError (ValueError)     a tool schema that cannot be repaired (a quarantine reason)
     └── RunNotFound (LookupError)    no run folder of that id
 """
@@ -158,7 +161,15 @@ class TooManyPromptErrors(NotRetryable):
     """More of a shard's prompts were refused by the servers than Param max_generate_error_share allows."""
 
 
-class Drained(DflashError):
+class Skipped(DflashError):
+    """Not a failure: the task has nothing to do, and is skipped (`tasks.fail_fast`); the message says why."""
+
+
+class NothingToGenerate(Skipped):
+    """The completion store holds every planned prompt's completion: no weights staged, no fleet launched."""
+
+
+class Drained(Skipped):
     """The operator drained the run: the shard finished its in-flight requests, checkpointed them and stopped;
     its task is skipped, and a clear (or a new run, which reuses its completions) sends the rest."""
 

@@ -33,6 +33,7 @@ from dflash_regen.generate import store
 from dflash_regen.generate.shard import drain_request
 from dflash_regen.layout import COMPLETIONS, FAILURES, RunLayout, shard_of
 from dflash_regen.layout import manifest as manifest_file
+from dflash_regen.payloads import Published, Validated, Verdict
 from dflash_regen.settings import nodes
 from dflash_regen.settings.run_config import RunConfig
 
@@ -324,7 +325,7 @@ def publish_run(layout: RunLayout, dest: Path, plan: dict, quality: dict, config
     return manifest
 
 
-def publish_validated(cfg: RunConfig, validated: dict, config: dict, model_dir: Path) -> dict:
+def publish_validated(cfg: RunConfig, validated: Validated, config: dict, model_dir: Path) -> Published:
     """The publish task: the run `validate` passed (`validated`, its counts) published to `cfg.publish_dir`."""
     report = json.loads(cfg.layout.report("quality").read_text())
     # reports/quality.json is what the manifest records: re-checked on disk, so a version is published only with a
@@ -345,7 +346,7 @@ def publish_validated(cfg: RunConfig, validated: dict, config: dict, model_dir: 
             "quarantined": manifest["counts"]["quarantined"], "tokens": manifest["tokens"]["total"]}
 
 
-def check_published(cfg: RunConfig) -> dict:
+def check_published(cfg: RunConfig) -> Verdict:
     """The run's verdict: a run that published nothing is failed (`PublishRefused` says why and what to clear)."""
     manifest = manifest_file(cfg.publish_dir)
     if not manifest.is_file() and (request := drain_request(cfg.layout.drain_request)):

@@ -17,6 +17,7 @@ from pathlib import Path
 from dflash_regen import atomic, schemas
 from dflash_regen.errors import GateFailed
 from dflash_regen.layout import FAILURES, RunLayout
+from dflash_regen.payloads import Shard, Tokenized, Validated
 from dflash_regen.prompts.planning import accepted
 from dflash_regen.settings.run_config import QualitySettings, RunConfig
 
@@ -211,12 +212,16 @@ def server_ids_counts(rows: list[dict]) -> dict:
                                **{cause: drift.get(cause, 0) for cause in ("whitespace", "tool_value", "other")}}}
 
 
-def gate_run(cfg: RunConfig, shards: list[dict]) -> dict:
-    """The validate task: the quality gate over the run's tokenized shards (every planned shard's prompts less the
-    rows generation quarantined are expected), reports/quality.json; raises `GateFailed` naming each failed
+def gate_run(cfg: RunConfig, shards: list[Shard], tokenized: list[Tokenized]) -> Validated:
+    """The validate task: the quality gate over the shards tokenize returned (`tokenized`), every planned shard
+    (`shards`) expected with its prompts less the rows generation quarantined; reports/quality.json. Raises
+    `GateFailed` for a planned shard not tokenized (its tokenize skipped, a drain) or naming each failed
     expectation. Returns the counts publish checks the report against."""
     import pyarrow.parquet as pq
 
+    if missing := sorted({s["shard"] for s in shards} - {t["shard"] for t in tokenized}):
+        raise GateFailed(f"shards {missing} of the run's {len(shards)} were not tokenized (their tokenize tasks "
+                         "skipped), nothing will be published; clear them (with Downstream) to finish the run")
     rejected = sum(pq.read_metadata(p).num_rows for p in cfg.layout.merged_files(FAILURES))
     report = validate_run(cfg.layout, accepted(shards) - rejected, cfg.quality, cfg.layout.data_docs)
     cfg.layout.write_report("quality", report)

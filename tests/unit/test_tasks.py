@@ -7,7 +7,7 @@ import pytest
 from airflow.sdk.definitions.retry_policy import RetryAction
 from airflow.sdk.exceptions import AirflowFailException, AirflowSkipException
 
-from dflash_regen import tasks
+from dflash_regen import notifiers, tasks
 from dflash_regen.settings.run_config import RunConfig
 
 NODES = {"fast": {"name": "fast", "queue": "q1", "gpus": "0,1"}, "slow": {"name": "slow", "queue": "q2", "gpus": "0"}}
@@ -113,7 +113,7 @@ def test_no_receiver_configured_sends_nothing_and_a_receiver_down_is_only_a_warn
     from dflash_regen import notify
 
     cfg = RunConfig.from_params(run_params(), "r1")
-    assert tasks._notifiers(cfg.notify, notify.Message("t", ())) == []  # the defaults: no email, no URL, no connection
+    assert notifiers._notifiers(cfg.notify, notify.Message("t", ())) == []  # the defaults: no email, no URL, no connection
     closed = free_port()  # nothing listens there
     down = RunConfig.from_params(run_params(notify_email_to="ops@example.test", notify_smtp_conn_id=SMTP_CONN_ID,
                                             notify_apprise_urls=[f"json://127.0.0.1:{closed}/x"]), "r1")
@@ -121,7 +121,7 @@ def test_no_receiver_configured_sends_nothing_and_a_receiver_down_is_only_a_warn
                                                                                  "disable_ssl": True, "retry_limit": 0}}
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(f"AIRFLOW_CONN_{SMTP_CONN_ID.upper()}", json.dumps(conn))
-        tasks._send(down, notify.Message("Run r1: gate health_check failed: x", ()))
+        notifiers._send(down, notify.Message("Run r1: gate health_check failed: x", ()))
     assert "email via dflash_test_smtp: 'Run r1: gate health_check failed: x' not sent: ConnectionRefusedError" \
         in caplog.text
     assert "A Connection error occurred sending JSON notification to 127.0.0.1" in caplog.text  # Apprise's warning
@@ -133,7 +133,7 @@ def test_the_api_key_never_reaches_a_receiver(run_params, receivers):
     cfg = RunConfig.from_params(run_params(**receivers.params()), "r1")
     cfg.fleet_dir.mkdir(parents=True)
     cfg.layout.fleet.api_key.write_text("sk-run-key-0123")
-    tasks._send(cfg, notify.Message("Run r1: gate smoke_test failed: --api-key=sk-run-key-0123 refused", ("l",)))
+    notifiers._send(cfg, notify.Message("Run r1: gate smoke_test failed: --api-key=sk-run-key-0123 refused", ("l",)))
     assert receivers.posts() == ["Run r1: gate smoke_test failed: --api-key=*** refused\nl"]
     assert receivers.emails() == [f"Subject: {receivers.posts()[0].splitlines()[0]}\n{receivers.posts()[0]}"]
 
@@ -144,5 +144,5 @@ def test_an_apprise_connection_is_a_receiver_too(run_params, receivers, monkeypa
     url = receivers.params()["notify_apprise_urls"][0]
     monkeypatch.setenv("AIRFLOW_CONN_APPRISE_DEFAULT",
                        json.dumps({"conn_type": "apprise", "extra": {"config": [{"path": url}]}}))
-    tasks._send(RunConfig.from_params(run_params(), "r1"), notify.Message("Run r1 published 9 samples", ("l",)))
+    notifiers._send(RunConfig.from_params(run_params(), "r1"), notify.Message("Run r1 published 9 samples", ("l",)))
     assert receivers.posts() == ["Run r1 published 9 samples\nl"] and receivers.emails() == []

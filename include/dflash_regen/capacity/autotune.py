@@ -24,9 +24,11 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Mapping, Sequence
 from contextlib import ExitStack
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -36,6 +38,7 @@ from dflash_regen.errors import DflashError, GateFailed
 from dflash_regen.fleet import servers as fleet_servers
 from dflash_regen.fleet import smoke
 from dflash_regen.layout import FleetFiles, report_file
+from dflash_regen.payloads import Fleet, Shard, Tuned
 from dflash_regen.prompts.planning import accepted, to_generate
 from dflash_regen.settings.run_config import RunConfig
 
@@ -111,7 +114,7 @@ def run_shape(cfg: RunConfig, run_prompts: int) -> capacity.RunShape:
 class Tuner:
     """Runs the candidates one by one on the first GPU and keeps what each one measured or why it was skipped."""
 
-    def __init__(self, cfg: RunConfig, model_path: Path, shards: list[dict], run_prompts: int):
+    def __init__(self, cfg: RunConfig, model_path: Path, shards: Sequence[Mapping[str, Any]], run_prompts: int):
         self.cfg, self.model_path, self.shards = cfg, model_path, shards
         self.shape = run_shape(cfg, run_prompts)
         self.lengths: dict | None = None  # the current settings' sample: every prediction uses it
@@ -188,7 +191,7 @@ def choose(rows: list[dict]) -> dict | None:
     return best
 
 
-def tune(cfg: RunConfig, model_path: Path, shards: list[dict], run_prompts: int, *, candidate_s: float,
+def tune(cfg: RunConfig, model_path: Path, shards: Sequence[Mapping[str, Any]], run_prompts: int, *, candidate_s: float,
          budget_s: float, extra: list[str], shape: capacity.RunShape | None = None) -> dict:
     """Measure the candidates (current first); returns the report (without relaunching the fleet). `shape`
     predicts another run than this one (the CLI's)."""
@@ -245,7 +248,7 @@ def tune(cfg: RunConfig, model_path: Path, shards: list[dict], run_prompts: int,
             "chosen": winner["candidate"] if winner else None, "chosen_flags": winner["flags"] if winner else ""}
 
 
-def autotune_fleet(cfg: RunConfig, model_path: Path, fleet: dict, shards: list[dict]) -> dict:
+def autotune_fleet(cfg: RunConfig, model_path: Path, fleet: Fleet, shards: list[Shard]) -> Tuned:
     """The autotune task: try server settings on the first GPU, report (`reports/autotune.json`), and relaunch the
     fleet (with the fastest's flags under `apply`) and re-gate it (health + smoke), since tuning took its first
     GPU. Returns the fleet it leaves (a fleet value, `fleet` itself when nothing was stopped) with the outcome."""
@@ -291,7 +294,7 @@ def _decide(report: dict, mode: str) -> str:
     return flags
 
 
-def relaunch(cfg: RunConfig, model_path: Path, flags: str, report: dict) -> dict:
+def relaunch(cfg: RunConfig, model_path: Path, flags: str, report: dict) -> Fleet:
     """Relaunch the fleet with `flags` on top of the run's and gate it again (stopped if a gate fails); returns
     the fleet value. The report records how long the relaunch took."""
     run_cfg = cfg.with_extra_flags(flags) if flags else cfg

@@ -18,6 +18,7 @@ from dflash_regen.capacity import Memory, binding_resource
 from dflash_regen.errors import DflashError, GateFailed
 from dflash_regen.fleet.servers import Server, servers_of
 from dflash_regen.fleet.smoke import gated
+from dflash_regen.payloads import Fleet, Health
 from dflash_regen.settings.run_config import FleetConfig, RunConfig
 from dflash_regen.sglang.api import Allocation, Api, parse_startup_log
 
@@ -137,7 +138,7 @@ def health_gate(servers: list[Server], api_key: str, cfg: FleetConfig) -> dict:
     return report
 
 
-def check_fleet(cfg: RunConfig, fleet: dict) -> dict:
+def check_fleet(cfg: RunConfig, fleet: Fleet) -> Health:
     """The health gate on every server of `fleet` (a fleet value), its report in reports/health.json."""
     servers, key = servers_of(fleet, cfg.fleet.num_servers)
     report = gated(cfg.layout, "health", lambda: health_gate(servers, key, cfg.fleet))

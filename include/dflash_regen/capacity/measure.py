@@ -10,6 +10,8 @@ import logging
 import math
 import threading
 import time
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -42,7 +44,7 @@ def read_metrics(api: Api) -> tuple[float, float]:
     return found["generation_tokens_total"], found.get("num_running_reqs", float("nan"))
 
 
-def sample_prompts(shards: list[dict], k: int, seed: int) -> list[dict]:
+def sample_prompts(shards: Sequence[Mapping[str, Any]], k: int, seed: int) -> list[dict]:
     """k prompts drawn at random from all shards (so the sample has the run's length mix), in random order."""
     rng = np.random.default_rng(seed)
     sizes = np.array([s["prompts"] for s in shards], float)

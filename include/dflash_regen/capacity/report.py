@@ -7,8 +7,10 @@ import hashlib
 import json
 import logging
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -27,6 +29,7 @@ from dflash_regen.errors import CapacityError, TooFewPrompts
 from dflash_regen.fleet import servers as fleet_servers
 from dflash_regen.fleet.servers import Server
 from dflash_regen.layout import report_file
+from dflash_regen.payloads import Calibrated, NodeReady, Shard, Tuned
 from dflash_regen.prompts.planning import to_generate
 from dflash_regen.settings.nodes import READY
 from dflash_regen.settings.run_config import GenerationSettings, RunConfig
@@ -148,8 +151,9 @@ def fingerprint(cfg: RunConfig, server_flags: str, shape: RunShape) -> str:
     return hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()
 
 
-def calibrate(server: Server, api_key: str, health: dict, shards: list[dict], settings: GenerationSettings,
-              shape: RunShape, *, prompts: int, server_flags: str = "", train_max_length: int = 0) -> dict:
+def calibrate(server: Server, api_key: str, health: dict, shards: Sequence[Mapping[str, Any]],
+              settings: GenerationSettings, shape: RunShape, *, prompts: int, server_flags: str = "",
+              train_max_length: int = 0) -> dict:
     """Measure `server` with `prompts` prompts of the run's shards and plan the run: the capacity report."""
     entry = next((s for s in health["servers"] if s.get("url") == server.url and s.get("allocation")), None)
     if entry is None:
@@ -164,7 +168,7 @@ def calibrate(server: Server, api_key: str, health: dict, shards: list[dict], se
                        seed=settings.seed, train_max_length=train_max_length)
 
 
-def calibrate_fleet(cfg: RunConfig, fleet: dict, shards: list[dict]) -> dict:
+def calibrate_fleet(cfg: RunConfig, fleet: Tuned, shards: list[Shard]) -> Calibrated:
     """The calibrate task: measure one healthy server of `fleet` (the fleet value autotune left, with the flags it
     applied) on the run's prompts, advise, predict; `reports/capacity.json`. A rerun of the setup with the same
     fleet settings and run (a cleared shard) reuses the stored report: no GPU minutes again."""
@@ -201,17 +205,17 @@ def calibrate_fleet(cfg: RunConfig, fleet: dict, shards: list[dict]) -> dict:
     return _calibrated(report)
 
 
-def _calibrated(report: dict) -> dict:
+def _calibrated(report: dict) -> Calibrated:
     return {"calibrated": True, "binding": report["binding"]["resource"], "wall_s": report["scenarios"][0]["wall_s"],
             "advised_flags": report["advice"]["server_flags"]}
 
 
-def node_ready(cfg: RunConfig, calibrated: dict) -> dict:
+def node_ready(cfg: RunConfig, calibrated: Calibrated) -> NodeReady:
     """Several nodes: this node passed every gate; its rate (prompts/s of its healthy servers, measured by
     calibrate) decides its share of the shards (`reports/nodes/<node>/ready.json`)."""
     healthy = fleet_servers.healthy_servers(cfg.fleet_dir, fleet_servers.load_servers(cfg.fleet_dir))
     report = read_report(cfg.node_reports_dir) if calibrated.get("calibrated") else None
     rps = report["scenarios"][0]["requests_per_s_per_server"] * len(healthy) if report else None
-    ready = {"node": cfg.node, "servers": len(healthy), "prompts_per_s": rps}
-    cfg.layout.write_report(READY, ready)
+    ready: NodeReady = {"node": cfg.node, "servers": len(healthy), "prompts_per_s": rps}
+    cfg.layout.write_report(READY, dict(ready))
     return ready

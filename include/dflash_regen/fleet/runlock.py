@@ -24,6 +24,7 @@ from dflash_regen import atomic
 from dflash_regen.errors import RunLocked
 from dflash_regen.fleet import servers
 from dflash_regen.layout import RunLayout, run_lock, runs_dir
+from dflash_regen.payloads import Fleet
 from dflash_regen.prompts import inputs
 from dflash_regen.settings.run_config import DEMO_PROMPTS, RunConfig
 
@@ -105,7 +106,7 @@ def open_run(cfg: RunConfig, run_id: str, run_is_active: Callable[[str], bool]) 
         log.info("prompt source %s: first usable row at %s", cfg.prompt_source, first)
 
 
-def launch_run(cfg: RunConfig, model_path: Path) -> dict:
+def launch_run(cfg: RunConfig, model_path: Path) -> Fleet:
     """Launch the run's (node's) fleet, after stopping the servers of runs that died before their teardown; a
     (re)launch removes a drain request (after a drain, the clear that resumes the run). The fleet value."""
     reap_orphans(cfg.output_root, cfg.run_id)

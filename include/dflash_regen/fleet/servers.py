@@ -29,6 +29,7 @@ from pathlib import Path
 from dflash_regen.errors import FleetError, GateFailed, LaunchRefused, NoServerFree
 from dflash_regen.fleet.preflight import preflight
 from dflash_regen.layout import FleetFiles
+from dflash_regen.payloads import Fleet
 from dflash_regen.settings.run_config import FleetConfig
 from dflash_regen.sglang.api import Api, Dialect
 
@@ -418,13 +419,13 @@ def running(cfg: FleetConfig, model_path: Path, fleet_dir: Path) -> Iterator[lis
         stop_fleet(fleet_dir)
 
 
-def fleet_value(fleet_dir: Path, servers: list[Server]) -> dict:
+def fleet_value(fleet_dir: Path, servers: list[Server]) -> Fleet:
     """What the fleet's tasks hand on (XCom): its folder and each server's address, GPU, pid and log."""
     return {"fleet_dir": str(fleet_dir), "servers": [{"index": s.index, "url": s.url, "gpu": s.gpu, "pid": s.pid,
                                                       "log": s.log_path} for s in servers]}
 
 
-def servers_of(fleet: dict, expected: int) -> tuple[list[Server], str]:
+def servers_of(fleet: Fleet, expected: int) -> tuple[list[Server], str]:
     """The servers of a fleet value (`fleet_value`) as its folder records them (pid and start time, for process
     control), and its API key."""
     fleet_dir = Path(fleet["fleet_dir"])

@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, field
 from dflash_regen.errors import GateFailed, PromptError, TransientError
 from dflash_regen.fleet.servers import Server, servers_of
 from dflash_regen.layout import RunLayout
+from dflash_regen.payloads import Fleet, Smoke
 from dflash_regen.settings.run_config import FleetConfig, RunConfig, SamplingConfig
 from dflash_regen.sglang.api import Api
 from dflash_regen.sglang.http import chat_payload, reasoning_tokens, with_retries
@@ -188,7 +189,7 @@ def gated(layout: RunLayout, name: str, check: Callable[[], dict]) -> dict:
     return report
 
 
-def smoke_fleet(cfg: RunConfig, fleet: dict) -> dict:
+def smoke_fleet(cfg: RunConfig, fleet: Fleet) -> Smoke:
     """The smoke gate on every server of `fleet` (a fleet value), its report in reports/smoke.json."""
     servers, key = servers_of(fleet, cfg.fleet.num_servers)
     gated(cfg.layout, "smoke", lambda: smoke_gate(servers, key, cfg.sampling, cfg.fleet))

@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from dflash_regen.errors import StagingError
+from dflash_regen.payloads import Staged
 from dflash_regen.settings.run_config import RunConfig
 
 log = logging.getLogger(__name__)
@@ -189,7 +190,7 @@ def stage(source: Path, dest: Path, *, progress_every_s: float = 5.0) -> StageRe
     return report
 
 
-def stage_run(cfg: RunConfig, source: Path) -> dict:
+def stage_run(cfg: RunConfig, source: Path) -> Staged:
     """Stage `source` to the run's (node's) staging dir; reports/staging.json."""
     report = stage(source, cfg.staging_dir)
     cfg.layout.write_report("staging", report.to_dict())

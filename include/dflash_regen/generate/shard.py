@@ -58,6 +58,7 @@ from dflash_regen.generate.checkpoints import merge_parts, read_done, write_part
 from dflash_regen.generate.samples import Generator, Stopped
 from dflash_regen.generate.status import ShardStatus
 from dflash_regen.layout import COMPLETIONS, FAILURES, FleetFiles, RunLayout
+from dflash_regen.payloads import Generated, Shard
 from dflash_regen.prompts.formats import Prompt
 from dflash_regen.prompts.planning import TokenCounter, token_bound
 from dflash_regen.schemas import COMPLETION, QUARANTINE
@@ -266,7 +267,7 @@ class _Attempt:
                  stats["output_tokens"] - stats["reasoning_tokens"], eta, source, run_eta)
 
 
-def _already_complete(paths: ShardPaths, settings: GenerationSettings) -> dict | None:
+def _already_complete(paths: ShardPaths, settings: GenerationSettings) -> Generated | None:
     """The counts of a shard an earlier attempt finished (both merged files written), else None."""
     if not (paths.output.is_file() and paths.failures_output.is_file()):
         return None
@@ -342,7 +343,7 @@ def _send_all(gen: Generator, todo: list[dict], attempt: _Attempt, settings: Gen
 
 def generate_shard(paths: ShardPaths, server: Server, api_key: str, settings: GenerationSettings, *,
                    fleet_dir: Path, run_prompts: int | None = None, servers_sharing: int = 1,
-                   expected_rps: float | None = None) -> dict:
+                   expected_rps: float | None = None) -> Generated:
     """Complete the shard on `server` (leased for it); returns counts for XCom.
 
     `expected_rps` (completions per second on one server, from the capacity plan) drives the ETA until the
@@ -394,7 +395,7 @@ def generate_shard(paths: ShardPaths, server: Server, api_key: str, settings: Ge
     return _merge(paths, server, attempt, settings)
 
 
-def _merge(paths: ShardPaths, server: Server, attempt: _Attempt, settings: GenerationSettings) -> dict:
+def _merge(paths: ShardPaths, server: Server, attempt: _Attempt, settings: GenerationSettings) -> Generated:
     """The shard's one completion file and one quarantine file, from every part; the counts for XCom."""
     completed = merge_parts(paths.parts, paths.output, COMPLETION)
     quarantined = merge_parts(paths.failures, paths.failures_output, QUARANTINE)
@@ -409,7 +410,7 @@ def _merge(paths: ShardPaths, server: Server, attempt: _Attempt, settings: Gener
             "seconds": round(time.monotonic() - attempt.started, 2)}
 
 
-def run_shard(cfg: RunConfig, shard: dict) -> dict:
+def run_shard(cfg: RunConfig, shard: Shard) -> Generated:
     """The generate task for one shard descriptor (`plan_shards`' dict): lease a server (not one this shard failed
     on while another is healthy), complete the shard there at the capacity plan's rate and, with Param
     apply_advised_concurrency, its advised concurrency; returns counts for XCom."""

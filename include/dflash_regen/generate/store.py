@@ -31,8 +31,10 @@ import json
 import logging
 import shutil
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -408,7 +410,7 @@ def provenance(layout: RunLayout) -> dict:
             "by_source_run": _by_source_run(layout)}
 
 
-def nothing_to_generate(shards: list[dict]) -> str | None:
+def nothing_to_generate(shards: Sequence[Mapping[str, Any]]) -> str | None:
     """Why the run needs no fleet (the store holds every planned prompt's completion), or None."""
     if not shards or any(s.get("to_generate", s["prompts"]) for s in shards):
         return None

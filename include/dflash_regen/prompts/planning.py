@@ -11,7 +11,9 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import pyarrow as pa
 
@@ -272,11 +274,11 @@ def plan_shards(source: Path, layout: RunLayout, settings: PlanSettings) -> dict
     return plan
 
 
-def accepted(shards: list[dict]) -> int:
+def accepted(shards: Sequence[Mapping[str, Any]]) -> int:
     """The run's accepted prompts: every planned shard's."""
     return sum(s["prompts"] for s in shards)
 
 
-def to_generate(shards: list[dict]) -> int:
+def to_generate(shards: Sequence[Mapping[str, Any]]) -> int:
     """What is left to send: the accepted prompts the completion store did not have (what the fleet is sized for)."""
     return sum(s.get("to_generate", s["prompts"]) for s in shards)

@@ -24,6 +24,7 @@ from pathlib import Path
 
 from dflash_regen.errors import ConfigError, GateFailed
 from dflash_regen.layout import RunLayout
+from dflash_regen.payloads import Assignment, Shard
 
 log = logging.getLogger(__name__)
 
@@ -103,13 +104,13 @@ def parse_nodes(text: str | None) -> list[Node]:
     return nodes
 
 
-def assign(shards: list[dict], rates: dict[str, float]) -> dict[str, list[dict]]:
+def assign(shards: list[Shard], rates: dict[str, float]) -> dict[str, list[Shard]]:
     """Each shard to the node predicted to finish it first (prompts already given / prompts per second),
     largest shards first: every node gets prompts in proportion to its rate, to within one shard."""
     if not rates or min(rates.values()) <= 0:
         raise ValueError(f"every node needs a positive rate, got {rates}")
     given = {name: 0 for name in rates}
-    out: dict[str, list[dict]] = {name: [] for name in rates}
+    out: dict[str, list[Shard]] = {name: [] for name in rates}
     for shard in sorted(shards, key=lambda s: (-s["prompts"], s["shard"])):
         name = min(rates, key=lambda n: ((given[n] + shard["prompts"]) / rates[n], list(rates).index(n)))
         given[name] += shard["prompts"]
@@ -119,6 +120,12 @@ def assign(shards: list[dict], rates: dict[str, float]) -> dict[str, list[dict]]
     return out
 
 
+def record_left_out(layout: RunLayout, node: str, task: str, error: BaseException) -> None:
+    """Several nodes, Param node_failure = continue: `node` is left out of the run, its `task` failed with `error`
+    (reports/nodes/<node>/left_out.json, which `assign_run` reads)."""
+    layout.write_report(LEFT_OUT, {"node": node, "task": task, "error": str(error), "at": time.time()})
+
+
 def forget_decision(layout: RunLayout) -> None:
     """A run (or the same run id again) decides afresh whether the node takes part: its ready and left-out records
     go when it stages."""
@@ -126,8 +133,8 @@ def forget_decision(layout: RunLayout) -> None:
         layout.node_report(name).unlink(missing_ok=True)
 
 
-def assign_run(layout: RunLayout, shards: list[dict], node_names: list[str], keep_going: bool
-               ) -> dict[str, list[dict]]:
+def assign_run(layout: RunLayout, shards: list[Shard], node_names: list[str], keep_going: bool
+               ) -> Assignment:
     """Shards to the nodes that passed their gates, in proportion to each one's calibrated rate (prompts/s of its
     fleet; by healthy server count when a node was not calibrated): each node's shards (none for a node left
     out), the split in `reports/assignment.json`. A node left out fails the run unless `keep_going` (Param

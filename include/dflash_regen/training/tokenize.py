@@ -25,6 +25,7 @@ from dflash_regen.chat.template import TokenizeError, load_tokenizer, summarize_
 from dflash_regen.errors import Drained, NotRetryable
 from dflash_regen.generate.shard import drain_request
 from dflash_regen.layout import COMPLETIONS, RunLayout
+from dflash_regen.payloads import Tokenized
 from dflash_regen.schemas import SUMMARY, TOKENIZED
 from dflash_regen.settings.run_config import RunConfig
 from dflash_regen.sglang.api import Dialect
@@ -43,7 +44,7 @@ def repetition_score(text: str | None, n: int = 8) -> float:
 
 
 def tokenize_shard(prompts_path: Path, completions_path: Path, layout: RunLayout, shard: int, tokenizer, *,
-                   include_reasoning: bool, dialect: Dialect | None = None) -> dict:
+                   include_reasoning: bool, dialect: Dialect | None = None) -> Tokenized:
     """`dialect`: the SGLang version that generated the shard; its server's tools block (`template_tools`) is the
     one rendered and published, so the trainer's prompt is the one the model answered."""
     tokens_path, summary_path, conv_path = layout.tokenized(shard), layout.summary(shard), layout.conversations(shard)
@@ -232,7 +233,7 @@ def _input_turns_after_last_user(messages: list[dict]) -> bool:
     return any(m["role"] == "assistant" for m in messages[last_user + 1:])
 
 
-def tokenize_completions(cfg: RunConfig, shard: int, completions: Path | None, model_dir: Path) -> dict:
+def tokenize_completions(cfg: RunConfig, shard: int, completions: Path | None, model_dir: Path) -> Tokenized:
     """The tokenize task: shard `shard`'s completions (at `completions`, its generate's result; None when generate
     was skipped, the store having supplied the shard) tokenized with the chat template of the model in
     `model_dir`, its tools rendered as the SGLang version that served them did. `Drained` when the run was drained
