@@ -79,10 +79,11 @@ def test_a_full_output_disk_fails_each_stage_clearly_and_the_run_resumes_once_sp
                             rf"{run.tokenized(0).name}: {NEEDS}", first_line(full)), first_line(full)
             assert not run.tokenized(0).exists() and hidden_leftovers(root) == []
             filler.unlink()
-            assert tasks.tokenize_shard(params, RUN, generated, shard)["samples"] == len(ids)
+            tokenized = tasks.tokenize_shard(params, RUN, generated, shard)
+            assert tokenized["samples"] == len(ids)
 
             # 3. Publish (after the quality gate passed).
-            validated = tasks.validate(params, RUN, [shard])
+            validated = tasks.validate(params, RUN, [shard], [tokenized])
             published = root / "published" / params["dataset_name"]
             filler = fill(root, leave=24_000)
             with pytest.raises(AirflowFailException) as full:

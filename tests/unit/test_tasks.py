@@ -113,7 +113,7 @@ def test_no_receiver_configured_sends_nothing_and_a_receiver_down_is_only_a_warn
     from dflash_regen import notify
 
     cfg = RunConfig.from_params(run_params(), "r1")
-    assert notifiers._notifiers(cfg.notify, notify.Message("t", ())) == []  # the defaults: no email, no URL, no connection
+    assert notifiers._notifiers(cfg.notify, notify.Message("t", ())) == []  # defaults: no email, URL, connection
     closed = free_port()  # nothing listens there
     down = RunConfig.from_params(run_params(notify_email_to="ops@example.test", notify_smtp_conn_id=SMTP_CONN_ID,
                                             notify_apprise_urls=[f"json://127.0.0.1:{closed}/x"]), "r1")
@@ -146,3 +146,28 @@ def test_an_apprise_connection_is_a_receiver_too(run_params, receivers, monkeypa
                        json.dumps({"conn_type": "apprise", "extra": {"config": [{"path": url}]}}))
     notifiers._send(RunConfig.from_params(run_params(), "r1"), notify.Message("Run r1 published 9 samples", ("l",)))
     assert receivers.posts() == ["Run r1 published 9 samples\nl"] and receivers.emails() == []
+
+
+def test_validate_gets_every_node_s_tokenize_results_however_airflow_hands_them(run_params, monkeypatch):
+    """A mapped task's results reach a downstream task as a list, one result alone as itself, none (every instance
+    skipped, or none mapped: a node left out) as None: the gate gets them all as one list, the plan beside it."""
+    from dflash_regen import quality
+
+    gated = {}
+    monkeypatch.setattr(quality, "gate_run", lambda cfg, planned, tokenized: gated.update(t=tokenized, p=planned)
+                        or {"kept": 1, "quarantined": 0})
+    made = [{"shard": i, "samples": 10, "skipped": False} for i in range(3)]
+    assert tasks.validate(run_params(), "r1", shards(3), [made[:2], made[2], None]) == {"kept": 1, "quarantined": 0}
+    assert gated == {"t": made, "p": shards(3)}
+
+
+def test_a_planned_shard_tokenize_did_not_return_fails_the_gate_before_it_reads(run_params):
+    """Several nodes: validate runs when one node's tokenize skipped (a drain); the plan still expects its shard."""
+    from dflash_regen import quality
+    from dflash_regen.errors import GateFailed
+
+    cfg = RunConfig.from_params(run_params(), "r1")
+    tokenized = [{"shard": 0, "samples": 10, "skipped": False}, {"shard": 2, "samples": 10, "skipped": False}]
+    with pytest.raises(GateFailed, match=r"^shards \[1, 3\] of the run's 4 were not tokenized \(their tokenize "
+                                         r"tasks skipped\), nothing will be published"):
+        quality.gate_run(cfg, shards(4), tokenized)
