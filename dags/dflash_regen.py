@@ -227,8 +227,9 @@ def tokenize(generated: Generated | None, shard: Shard, params=None, run_id=None
     return tasks.tokenize_shard(params, run_id, generated, shard, node=node)
 
 
-# Each node's tokenize results (one node: one), every planned shard's expected. Several nodes: a node left out
-# (its tasks skipped) does not stop validation of the others' shards.
+# Each node's tokenize results in a list (one node: one), every planned shard expected. Not XComArg.concat(): a node's
+# one result comes alone, none as None (tasks.validate makes them one list). Several nodes: a node left out (its
+# tasks skipped) does not stop validation of the others' shards.
 @task(retries=0, trigger_rule="none_failed_min_one_success" if NODES else "all_success")
 def validate(shards: list[Shard], tokenized: Sequence[Pulled[Tokenized]], params=None, run_id=None) -> Validated:
     return tasks.validate(params, run_id, shards, tokenized)

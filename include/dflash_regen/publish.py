@@ -325,6 +325,12 @@ def publish_run(layout: RunLayout, dest: Path, plan: dict, quality: dict, config
     return manifest
 
 
+def recorded_config(params: dict) -> dict:
+    """The run's Params as the manifest records them: not where the run's news goes (the deployment's, and an
+    Apprise URL may hold a token), nor the emulator's fault injection."""
+    return {k: v for k, v in params.items() if k != "emulator_faults" and not k.startswith("notify_")}
+
+
 def publish_validated(cfg: RunConfig, validated: Validated, config: dict, model_dir: Path) -> Published:
     """The publish task: the run `validate` passed (`validated`, its counts) published to `cfg.publish_dir`."""
     report = json.loads(cfg.layout.report("quality").read_text())

@@ -1,10 +1,11 @@
 """The thin adapter between the DAG and the library: Params in, typed config, plain results out.
 
 Each function is one task body: it builds the run's config, calls one function of its stage's package and returns
-its value. They pass paths and small dicts (XCom), never data; the stages write their full reports into the run's
-`reports/` folder. What is Airflow's stays here: skipping a task, failing it at once, a node left out, the
-callbacks. Errors that a retry cannot fix (bad Params, a failed gate, no space on the RAM disk) become
-`AirflowFailException`, so Airflow fails the task at once with the library's one-line explanation.
+its value. They pass paths and small dicts (XCom, the types in payloads.py), never data; the stages write their full
+reports into the run's `reports/` folder. What is Airflow's stays here: skipping a task, failing it at once, a node
+left out, the log callback (the run's news: notifiers.py). Errors that a retry cannot fix (bad Params, a failed
+gate, no space on the RAM disk) become `AirflowFailException`, so Airflow fails the task at once with the library's
+one-line explanation; a `Skipped` (a drain, a run the store completes) becomes `AirflowSkipException`.
 """
 
 from __future__ import annotations
@@ -99,7 +100,7 @@ def leave_out_node(fn: Callable[Concatenate[dict, str, P], R]) -> Callable[Conca
         try:
             return fn(params, run_id, *args, **kwargs)
         except AirflowFailException as exc:
-            if not isinstance(node := kwargs.get("node"), dict) or params.get("node_failure") != "continue":
+            if not (isinstance(node := kwargs.get("node"), dict) and node) or params.get("node_failure") != "continue":
                 raise
             cfg = _cfg(params, run_id, node)
             nodes.record_left_out(cfg.layout, cfg.node, fn.__name__, exc)
@@ -263,9 +264,7 @@ def _results(pulled: Pulled[Tokenized]) -> list[Tokenized]:
 @fail_fast
 def publish_dataset(params: dict, run_id: str, validated: Validated) -> Published:
     cfg = RunConfig.from_params(params, run_id)
-    # Not where the run's news goes: the deployment's, and an Apprise URL may hold a token.
-    config = {k: v for k, v in params.items() if k != "emulator_faults" and not k.startswith("notify_")}
-    return publish.publish_validated(cfg, validated, config, _model_dir(cfg))
+    return publish.publish_validated(cfg, validated, publish.recorded_config(params), _model_dir(cfg))
 
 
 @fail_fast
