@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[2] / "include" / "dflash_regen"
-FOUNDATION = ("errors", "atomic", "layout", "schemas")
+FOUNDATION = ("errors", "atomic", "layout", "schemas", "tables")
 # A stage imports its own package and the stages before it (or beside it), never one after it.
 STAGES = [FOUNDATION, ("settings",), ("sglang",), ("chat",), ("prompts",), ("fleet",), ("capacity",), ("generate",),
           ("training",), ("quality",), ("publish",), ("demo", "ui"), ("notify",), ("tasks",)]
