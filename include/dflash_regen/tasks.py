@@ -26,7 +26,7 @@ from dflash_regen.demo.model import model_source
 from dflash_regen.demo.prompts import prompt_source
 from dflash_regen.errors import NotRetryable, Skipped
 from dflash_regen.fleet import runlock, servers, smoke, staging
-from dflash_regen.generate import skip, store
+from dflash_regen.generate import run_plan, skip
 from dflash_regen.generate.shard import run_shard
 from dflash_regen.payloads import (
     Assignment,
@@ -203,7 +203,7 @@ def plan_shards(params: dict, run_id: str) -> list[Shard]:
     # Airflow fails the expansion of more mapped tasks than this, after planning: refuse them here with the fix.
     max_shards = conf.getint("core", "max_map_length", fallback=1024)
     # The plan's shards, as planning wrote them (reports/plan.json when reused): descriptors from here on.
-    return cast(list[Shard], store.plan_run(cfg, prompt_source(cfg), model_source(cfg), max_shards))
+    return cast(list[Shard], run_plan.plan_run(cfg, prompt_source(cfg), model_source(cfg), max_shards))
 
 
 @fail_fast
