@@ -13,7 +13,7 @@ import json
 import sys
 
 from dflash_regen.settings.deployment import _ENV
-from dflash_regen.settings.params import SPECS, Spec, _range_rule
+from dflash_regen.settings.params import SPECS, Spec, range_rule
 
 HEADER = """# Param reference
 
@@ -47,7 +47,7 @@ def _allowed(spec: Spec) -> str:
     if spec.enum:
         return "one of " + ", ".join(f"`{v}`" for v in spec.enum)
     if spec.minimum is not None or spec.maximum is not None or spec.exclusive_minimum is not None:
-        return _range_rule(spec).removeprefix("must be ")
+        return range_rule(spec).removeprefix("must be ")
     if spec.rule:
         return spec.rule.removeprefix("must be ")
     if spec.min_length:
