@@ -193,6 +193,7 @@ def test_the_form_lists_the_cookbook_flags_every_server_gets():
 RENAME = """
 import json, runpy, sys
 from dflash_regen.errors import ConfigError
+from dflash_regen.settings import params
 from dflash_regen.settings.deployment import Deployment
 from dflash_regen.settings.run_config import RunConfig
 
