@@ -37,10 +37,11 @@ def _type(spec: Spec) -> str:
     return " or ".join(named) + (" (may be empty)" if "null" in kinds else "")
 
 
-def _default(name: str, spec: Spec) -> str:
-    value = "~/dflash-regen" if name == "output_root" else spec.default  # the table's is the home of whoever runs it
+def _default(spec: Spec) -> str:
+    # The table's output root is the home of whoever runs it.
+    value = "~/dflash-regen" if spec.deployed == "output_root" else spec.default
     shown = (f"`{value}`" if value else "empty") if isinstance(value, str) else f"`{json.dumps(value)}`"
-    return f"*deployment* `{_ENV[name]}`; demo: {shown}" if name in _ENV else shown
+    return f"*deployment* `{_ENV[spec.deployed]}`; demo: {shown}" if spec.deployed else shown
 
 
 def _allowed(spec: Spec) -> str:
@@ -68,7 +69,7 @@ def render() -> str:
             section = spec.section
             lines += ["", f"## {section}", "", "| Param | type | default | allowed | description |",
                       "|---|---|---|---|---|"]
-        cells = (f"`{name}`", _type(spec), _default(name, spec), _allowed(spec),
+        cells = (f"`{name}`", _type(spec), _default(spec), _allowed(spec),
                  f"**{spec.title}.** {spec.description}")
         lines.append("| " + " | ".join(_cell(c) for c in cells) + " |")
     return "\n".join(lines) + "\n"

@@ -4,9 +4,9 @@ The DAG builds its `Param`s from `SPECS` (`trigger_form`), so the trigger form, 
 validation see these schemas; `checked` validates a value against the same schema with the same validator call as
 Airflow's `Param.resolve`, so the two cannot drift. `run_config.RunConfig.from_params` puts each checked value in
 the config field its Spec `fills` ("SamplingConfig.min_p"): renaming a Param is a change of its key here, nothing
-else.
-Checks that span several Params (the last server's port, max_tokens against the context length, one GPU id per
-server) stay in `run_config`. Defaults a deployment sets come from `deployment.deployment()`. No Airflow import here.
+else (tests/unit/settings/test_params.py proves it). Checks that span several Params (the last server's port,
+max_tokens against the context length, one GPU id per server) stay in `run_config`. Defaults a deployment sets come
+from `deployment.deployment()`. No Airflow import here.
 """
 
 from __future__ import annotations
@@ -58,7 +58,8 @@ class Spec:
     section: str
     title: str
     description: str
-    fills: str | tuple[str, ...] = ()  # the config field(s) it fills: "SamplingConfig.min_p" (run_config.py)
+    fills: str | tuple[str, ...] = ()  # the config field(s) it fills: "FleetConfig.base_port" (run_config.py)
+    deployed: str = ""  # the `Deployment` field that sets its default (settings/deployment.py), if one does
     minimum: float | None = None
     exclusive_minimum: float | None = None
     maximum: float | None = None
@@ -119,16 +120,18 @@ DEMO = Deployment()  # the defaults without a deployment environment; `defaults(
 SPECS: dict[str, Spec] = {
     "model_source_dir": Spec(
         DEMO.model_source_dir, "string", FLEET, fills="RunConfig.model_source_dir",
-        title="Model source directory", min_length=1,
+        deployed="model_source_dir", title="Model source directory", min_length=1,
         description=("The HF checkpoint dir you would give --model-path (config.json, safetensors, tokenizer files; "
                      "absolute path), or 'demo' for the generated stand-in model. Copied to the RAM disk before "
                      "launch.")),
     "staging_dir": Spec(
-        DEMO.staging_dir, OPTIONAL_TEXT, FLEET, fills="RunConfig.staging_dir", title="Staging directory",
+        DEMO.staging_dir, OPTIONAL_TEXT, FLEET, fills="RunConfig.staging_dir", deployed="staging_dir",
+        title="Staging directory",
         description=("What each server's --model-path points at: the weights are copied here first (a RAM disk loads "
                      "in under a minute); empty = /dev/shm/<model name>.")),
     "server_command": Spec(
-        DEMO.server_command, "string", FLEET, fills="FleetConfig.server_command", title="Server command", min_length=1,
+        DEMO.server_command, "string", FLEET, fills="FleetConfig.server_command", deployed="server_command",
+        title="Server command", min_length=1,
         examples=("emulator", "/opt/sglang-venv/bin/python -m sglang.launch_server"),
         description=("'emulator', or SGLang's launcher from its own venv on a local disk, e.g. "
                      "/opt/sglang-venv/bin/python -m sglang.launch_server (run without a shell; --model-path, --host, "
@@ -153,7 +156,7 @@ SPECS: dict[str, Spec] = {
         description="CUDA_VISIBLE_DEVICES of each server, comma-separated, one per server; empty = 0..servers-1."),
     "base_port": Spec(
         DEMO.base_port, "integer", FLEET, fills="FleetConfig.base_port",
-        title="Base port", minimum=1024, maximum=65_535,
+        deployed="base_port", title="Base port", minimum=1024, maximum=65_535,
         description=("Server i listens on 127.0.0.1:<base port + i>. Keep it below the ephemeral range (usually "
                      "32768).")),
     "ready_timeout_s": Spec(
@@ -189,7 +192,8 @@ SPECS: dict[str, Spec] = {
         description=("Per smoke request at the production max_tokens; a 16K-token thinking answer takes minutes on a "
                      "cold server.")),
     "prompt_source": Spec(
-        DEMO.prompt_source, "string", PROMPTS, fills="RunConfig.prompt_source", title="Prompt source", min_length=1,
+        DEMO.prompt_source, "string", PROMPTS, fills="RunConfig.prompt_source", deployed="prompt_source",
+        title="Prompt source", min_length=1,
         description=("A .jsonl(.gz), .json (an array of rows or JSON lines), .csv or .parquet file, a directory of "
                      "them, or a folder written by datasets' save_to_disk (absolute path); or 'demo' for the built-in "
                      "sample prompts.")),
@@ -200,7 +204,7 @@ SPECS: dict[str, Spec] = {
                      "column.")),
     "shard_size": Spec(
         1000, "integer", PROMPTS, fills="PlanSettings.shard_size",
-        title="Prompts per shard", minimum=1, maximum=1_000_000,
+        deployed="shard_size", title="Prompts per shard", minimum=1, maximum=1_000_000,
         description=("One generate task per shard. ~1,000 keeps a shard's retry under ~10 minutes on a B200 server; "
                      "planning refuses more shards than Airflow can map ([core] max_map_length, 1,024).")),
     "context_length": Spec(
@@ -317,7 +321,7 @@ SPECS: dict[str, Spec] = {
                      "unhealthy and the shard moves.")),
     "generate_retries": Spec(
         DEMO.generate_retries, "integer", DISPATCH, fills="GenerationSettings.generate_retries",
-        title="Retries of a failed shard", minimum=0,
+        deployed="generate_retries", title="Retries of a failed shard", minimum=0,
         maximum=GENERATE_RETRIES_MAX,
         description=("Airflow retries a failed generate task this many times (with backoff), each on the server "
                      "that failed it avoided; 0 leaves it for a human to clear. A clear gives the shard as many "
@@ -388,7 +392,7 @@ SPECS: dict[str, Spec] = {
         description="Published to <output root>/published/<name>/<run id>/."),
     "output_root": Spec(
         DEMO.output_root, "string", OUTPUT, fills="RunConfig.output_root",
-        title="Output root", pattern=r"^/", rule="must be an absolute path",
+        deployed="output_root", title="Output root", pattern=r"^/", rule="must be an absolute path",
         description="Absolute path; runs go to <output root>/runs/<run id>/."),
     "notify_email_to": Spec(
         "", OPTIONAL_TEXT, NOTIFY, fills="NotifySettings.notify_email_to", title="Email the run's news to",
@@ -424,7 +428,7 @@ SPECS: dict[str, Spec] = {
                      "gives GPU 1 a small KV cache. Every knob: the docstring of dflash_regen.emulator. {} = none.")),
     "emulator_profile": Spec(
         DEMO.emulator_profile, OPTIONAL_OBJECT, EMULATOR_SECTION, fills="FleetConfig.emulator_profile",
-        title="Emulator profile",
+        deployed="emulator_profile", title="Emulator profile",
         description=('Only with the emulator: its speed, e.g. {"decode_tokens_per_s": 3000} (per request), or a GPU '
                      "preset; {} = the default profile.")),
     "node_failure": Spec(
@@ -436,8 +440,9 @@ SPECS: dict[str, Spec] = {
 
 def defaults(dep: Deployment | None = None, *, nodes: bool = False) -> dict[str, Any]:
     """Every Param's default, the deployment's where it sets one (`deployment()` unless given)."""
-    values = {name: copy.deepcopy(spec.default) for name, spec in SPECS.items() if nodes or not spec.nodes_only}
-    return values | (dep or deployment()).param_defaults()
+    deployed = (dep or deployment()).param_defaults()
+    return {name: copy.deepcopy(deployed.get(spec.deployed, spec.default)) for name, spec in SPECS.items()
+            if nodes or not spec.nodes_only}
 
 
 def trigger_form(dep: Deployment, *, nodes: bool) -> dict[str, dict]:
@@ -458,7 +463,7 @@ def key_of(path: str) -> str:
 
 
 def filled(params: Mapping[str, Any], config: str = "") -> dict[str, Any]:
-    """Each Param's checked value under every config field it fills ("SamplingConfig.min_p"); with `config`, only
+    """Each Param's checked value under every config field it fills ("FleetConfig.base_port"); with `config`, only
     the Params filling that config class's fields ("QualitySettings")."""
     values: dict[str, Any] = {}
     for name, spec in SPECS.items():

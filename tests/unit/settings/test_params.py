@@ -16,7 +16,8 @@ from airflow.sdk.exceptions import ParamValidationError
 
 from dflash_regen.errors import ConfigError
 from dflash_regen.settings.deployment import Deployment
-from dflash_regen.settings.params import SPECS, checked, trigger_form
+from dflash_regen.settings.nodes import Node
+from dflash_regen.settings.params import SPECS, checked, defaults, trigger_form
 from dflash_regen.settings.run_config import DEFAULTS, RunConfig
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -192,43 +193,75 @@ def test_the_form_lists_the_cookbook_flags_every_server_gets():
 
 RENAME = """
 import json, runpy, sys
+from functools import reduce
 from dflash_regen.errors import ConfigError
 from dflash_regen.settings import params
 from dflash_regen.settings.deployment import Deployment
+from dflash_regen.settings.nodes import Node
 from dflash_regen.settings.run_config import RunConfig
 
+case = json.loads(sys.argv[2])
 base = params.defaults(Deployment())
+
+
+def read(conf):
+    return reduce(getattr, case["field"], RunConfig.from_params(conf, "r"))
+
+
 try:
-    RunConfig.from_params({**base, "minimum_p": 2}, "r")
+    RunConfig.from_params({**base, **case["bad"]}, "r")
 except ConfigError as exc:
     error = str(exc)
 print(json.dumps({
     "module": params.__file__, "form": list(params.trigger_form(Deployment(), nodes=False)),
-    "new": RunConfig.from_params({**base, "minimum_p": 0.25}, "r").sampling.min_p,
-    "old": RunConfig.from_params({**base, "min_p": 0.25}, "r").sampling.min_p,
-    "error": error, "docs": runpy.run_path(sys.argv[1])["render"]()}))
+    "new": read({**base, case["new"]: case["value"]}), "old": read({**base, case["old"]: case["value"]}),
+    "default": read(base), "error": error, "deployed": params.defaults(Deployment(base_port=31000)),
+    "node": Node(name="n", gpus="0,1", base_port=31000, staging_dir="/dev/shm/n").apply({}),
+    "docs": runpy.run_path(sys.argv[1])["render"]()}))
 """
 
 
-def test_renaming_a_param_is_a_one_line_change(tmp_path):
-    """min_p renamed minimum_p on its declaration's line alone, in a copy of the package: the trigger form, the
-    config and the Param reference follow, and the old key is neither in the form nor read."""
+@pytest.mark.parametrize(("old", "new", "value", "field", "bad", "error"), [
+    ("min_p", "minimum_p", 0.25, ("sampling", "min_p"), {"minimum_p": 2},
+     "Param 'minimum_p' = 2 is invalid: must be between 0 and 1"),
+    ("num_servers", "servers", 2, ("fleet", "num_servers"), {"servers": 7, "base_port": 65530},
+     "Param 'base_port' = 65530 is invalid: with servers = 7 the last server would listen on port 65,536, past "
+     "65,535; lower base_port or servers"),
+    ("base_port", "first_port", 31000, ("fleet", "base_port"), {"first_port": 65530},
+     "Param 'first_port' = 65530 is invalid: with num_servers = 7 the last server would listen on port 65,536, past "
+     "65,535; lower first_port or num_servers"),
+    ("autotune_candidates", "autotune_extra", ["--page-size 8"], ("autotune", "extra"),
+     {"autotune_extra": ["--port 1"]},
+     "Param 'autotune_extra' = '--port 1' is invalid: --port is set by the launcher (per server); remove it"),
+])
+def test_renaming_a_param_is_a_one_line_change(tmp_path, old, new, value, field, bad, error):
+    """A Param renamed on its declaration's line alone, in a copy of the package: the trigger form, the config,
+    its messages, the deployment's defaults, a node's Params and the Param reference follow, and the old key is
+    neither in the form nor read."""
     shutil.copytree(ROOT / "include" / "dflash_regen", tmp_path / "dflash_regen",
                     ignore=shutil.ignore_patterns("__pycache__"))
     source = tmp_path / "dflash_regen" / "settings" / "params.py"
     lines = source.read_text().splitlines(keepends=True)
-    [line] = [i for i, text in enumerate(lines) if text.strip() == '"min_p": Spec(']
-    lines[line] = lines[line].replace('"min_p"', '"minimum_p"')
+    [line] = [i for i, text in enumerate(lines) if text.strip() == f'"{old}": Spec(']
+    lines[line] = lines[line].replace(f'"{old}"', f'"{new}"')
     source.write_text("".join(lines))
     env = {k: v for k, v in os.environ.items() if not k.startswith("DFLASH_")} | {"PYTHONPATH": str(tmp_path)}
-    done = subprocess.run([sys.executable, "-c", RENAME, str(ROOT / "scripts" / "params_reference.py")], env=env,
-                          capture_output=True, text=True, check=False)
+    case = {"old": old, "new": new, "value": value, "field": field, "bad": bad}
+    done = subprocess.run([sys.executable, "-c", RENAME, str(ROOT / "scripts" / "params_reference.py"),
+                           json.dumps(case)], env=env, capture_output=True, text=True, check=False)
     assert done.returncode == 0, done.stderr
     got = json.loads(done.stdout)
+
+    def renamed(names):
+        return [new if name == old else name for name in names]
+
     assert got["module"] == str(source)
-    before = list(trigger_form(Deployment(), nodes=False))
-    assert got["form"] == [("minimum_p" if name == "min_p" else name) for name in before]
-    assert (got["new"], got["old"]) == (0.25, SPECS["min_p"].default)
-    assert got["error"] == "Param 'minimum_p' = 2 is invalid: must be between 0 and 1"
+    assert got["form"] == renamed(trigger_form(Deployment(), nodes=False))
+    assert got["new"] == value and got["old"] == got["default"] != value
+    assert got["error"] == error
+    deployed = defaults(Deployment(base_port=31000))
+    assert got["deployed"] == dict(zip(renamed(deployed), deployed.values(), strict=True))
+    node = Node(name="n", gpus="0,1", base_port=31000, staging_dir="/dev/shm/n").apply({})
+    assert got["node"] == dict(zip(renamed(node), node.values(), strict=True))
     docs = (ROOT / "docs" / "params.md").read_text()
-    assert docs.count("| `min_p` |") == 1 and got["docs"] == docs.replace("| `min_p` |", "| `minimum_p` |")
+    assert docs.count(f"| `{old}` |") == 1 and got["docs"] == docs.replace(f"| `{old}` |", f"| `{new}` |")
