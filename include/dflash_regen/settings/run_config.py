@@ -48,7 +48,7 @@ def split_command(text: str, name: str) -> list[str]:
     if _SHELL_META.search(text):
         bad = sorted(set(_SHELL_META.findall(text)))
         raise invalid(name, text, f"contains shell syntax {''.join(bad)!r}; give a plain command such as "
-                    "'/opt/sglang-venv/bin/python -m sglang.launch_server' (it is run without a shell)")
+                      "'/opt/sglang-venv/bin/python -m sglang.launch_server' (it is run without a shell)")
     try:
         argv = shlex.split(text)
     except ValueError as exc:
@@ -304,10 +304,11 @@ class RunConfig:
         """Every Param checked and put in the field(s) it fills (`params.filled`), the fields derived from them,
         and the checks that span several Params."""
         values = filled(params)
-        paths = _paths(_given(cls, values))
+        own = _given(cls, values)  # RunConfig's own fields that Params fill
+        paths = _paths(own)
         sampling = _build(SamplingConfig, values)
         fleet = _fleet(values)
-        train_length = _given(cls, values)["budget"] == "train_length"
+        train_length = own["budget"] == "train_length"
         plan = _build(PlanSettings, values, sampling=sampling, count_tokens=train_length)
         if sampling.max_tokens >= plan.context_length:
             raise _fail(SamplingConfig, "max_tokens", sampling.max_tokens,
