@@ -3,6 +3,10 @@
 A reader (or a resumed task) sees the old file or the whole new one, never a half-written one. A write that
 meets a full disk removes its temporary file and raises `DiskFull`, whose first line names the path, the space
 it needs and the space free.
+
+Durable too: the temporary file is fsynced before the rename and the directory after it (as fleet/staging.py
+fsyncs the weights it copies), so a power loss or a crashed node leaves the old file or the whole new one, never
+a renamed file whose bytes had not reached the disk yet, and a rename that returned is not lost.
 """
 
 from __future__ import annotations
@@ -49,12 +53,30 @@ def _tmp(path: Path) -> Path:
     return path.with_name(f".{path.name}.tmp")
 
 
+def _fsync(path: Path) -> None:
+    """A file's bytes, or a directory's entries, on the disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _rename(tmp: Path, path: Path) -> None:
+    """`tmp` (fsynced) becomes `path`, and the rename itself is on the disk."""
+    os.replace(tmp, path)
+    _fsync(path.parent)
+
+
 def write_text(path: Path, text: str) -> None:
     tmp = _tmp(path)
     data = text.encode()
     with _whole_or_absent(path, tmp, len(data)):
-        tmp.write_bytes(data)
-    os.replace(tmp, path)
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+    _rename(tmp, path)
 
 
 def write_json(path: Path, data) -> None:
@@ -72,7 +94,8 @@ def write_table(table, path: Path) -> None:
     tmp = _tmp(path)
     with _whole_or_absent(path, tmp, table.nbytes):  # its size in memory: about what parquet needs, at most
         pq.write_table(table, tmp)
-    os.replace(tmp, path)
+        _fsync(tmp)
+    _rename(tmp, path)
 
 
 def link(src: Path, dst: Path) -> None:
@@ -80,4 +103,4 @@ def link(src: Path, dst: Path) -> None:
     tmp = _tmp(dst)
     tmp.unlink(missing_ok=True)
     os.link(src, tmp)
-    os.replace(tmp, dst)
+    _rename(tmp, dst)  # the bytes are src's own: only the new name needs syncing

@@ -18,7 +18,7 @@ from urllib.parse import quote
 from dflash_regen import atomic
 from dflash_regen.fleet.servers import API_KEY_ENV, redact
 from dflash_regen.layout import RunLayout
-from dflash_regen.ui.fleet_page import fleet_report
+from dflash_regen.ui.progress import run_progress
 
 # Tasks whose failure is a failed gate: the fleet or the data was proven unfit (a message at once, named so).
 GATES = ("health_check", "smoke_test", "autotune", "calibrate", "validate")
@@ -138,8 +138,8 @@ def progress_due(layout: RunLayout, every_h: float, started_at: float, now: floa
 
 
 def progress(run_id: str, layout: RunLayout, elapsed_s: float, links: tuple[str, ...]) -> Message:
-    """Prompts done of those planned, and the ETA: the Fleet page's figures (ui/fleet_page.py)."""
-    p = fleet_report(layout.run_dir)["progress"]
+    """Prompts done of those planned, and the ETA: the Fleet page's figures (ui/progress.py)."""
+    _, p = run_progress(layout.run_dir)
     done, planned, eta = p["done"], p["planned"], p["eta_s"]
     share = f" ({p['share']:.0%})" if p.get("share") is not None else ""
     of = f"{planned:,}" if planned is not None else "?"

@@ -19,6 +19,7 @@ from dflash_regen.errors import GateFailed
 from dflash_regen.layout import FAILURES, RunLayout
 from dflash_regen.prompts.planning import accepted
 from dflash_regen.settings.run_config import QualitySettings, RunConfig
+from dflash_regen.tables import Column, text_table
 
 log = logging.getLogger(__name__)
 
@@ -151,16 +152,20 @@ def run_suite(rows: list[dict], expected_rows: int, s: QualitySettings, docs_dir
     return report
 
 
+TABLE_COLUMNS = (Column("result", 6), Column("expectation", 60, spec=".60"), Column("threshold", 36, spec=".36"),
+                 Column("observed"))
+
+
 def format_table(table: list[dict]) -> str:
-    lines = [f"{'result':<6} {'expectation':<60} {'threshold':<36} observed", "-" * 120]
+    rows = []
     for row in table:
         kw = row["kwargs"]
         threshold = ", ".join(f"{k}={v}" for k, v in kw.items()
                               if k not in {"column", "column_A", "column_B", "condition_parser"})
         target = kw.get("column") or f"{kw.get('column_A', '')}=={kw.get('column_B', '')}".strip("=")
         name = row["expectation"].removeprefix("expect_") + " " + target
-        lines.append(f"{'ok' if row['success'] else 'FAIL':<6} {name:<60.60} {threshold:<36.36} {row['observed']}")
-    return "\n".join(lines)
+        rows.append(("ok" if row["success"] else "FAIL", name, threshold, row["observed"]))
+    return text_table(TABLE_COLUMNS, rows, rule=120)
 
 
 def quarantine_counts(quarantined: list[dict]) -> dict[str, int]:

@@ -26,7 +26,7 @@ from dflash_regen.demo.model import model_source
 from dflash_regen.demo.prompts import prompt_source
 from dflash_regen.errors import Drained, NotRetryable
 from dflash_regen.fleet import runlock, servers, smoke, staging
-from dflash_regen.generate import store
+from dflash_regen.generate import run_plan, store
 from dflash_regen.generate.shard import run_shard
 from dflash_regen.settings import nodes
 from dflash_regen.settings.run_config import DEFAULTS, NotifySettings, RunConfig
@@ -302,7 +302,7 @@ def plan_shards(params: dict, run_id: str) -> list[dict]:
     cfg = RunConfig.from_params(params, run_id)
     # Airflow fails the expansion of more mapped tasks than this, after planning: refuse them here with the fix.
     max_shards = conf.getint("core", "max_map_length", fallback=1024)
-    return store.plan_run(cfg, prompt_source(cfg), model_source(cfg), max_shards)
+    return run_plan.plan_run(cfg, prompt_source(cfg), model_source(cfg), max_shards)
 
 
 @fail_fast

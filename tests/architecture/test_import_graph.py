@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[2] / "include" / "dflash_regen"
-FOUNDATION = ("errors", "atomic", "layout", "schemas")
+FOUNDATION = ("errors", "atomic", "layout", "schemas", "tables")
 # A stage imports its own package and the stages before it (or beside it), never one after it.
 STAGES = [FOUNDATION, ("settings",), ("sglang",), ("chat",), ("prompts",), ("fleet",), ("capacity",), ("generate",),
           ("training",), ("quality",), ("publish",), ("demo", "ui"), ("notify",), ("tasks",)]
@@ -97,6 +97,23 @@ def test_no_import_circle():
     for m in sorted(edges):
         visit(m)
     assert not circles, "import circles: " + "; ".join(" -> ".join(c) for c in circles)
+
+
+# Private names another module still takes, left to the parts of issue 36 that own those files.
+PRIVATE_IMPORTS_LEFT = {("dflash_regen.emulator.faults", "dflash_regen.emulator.versions._key"),
+                        ("dflash_regen.prompts.planning", "dflash_regen.chat.template._with_parsed_arguments")}
+
+
+def test_no_module_imports_another_modules_private_names():
+    """A name one module shares with others is public (ui/files.py's readers, ui/progress.py's model): a leading
+    underscore says nothing outside the module depends on it."""
+    taken = set()
+    for name, path in MODULES.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("dflash_regen"):
+                taken |= {(name, f"{node.module}.{a.name}") for a in node.names if a.name.startswith("_")}
+    new = sorted(taken - PRIVATE_IMPORTS_LEFT)
+    assert not new, f"private names taken from another module (give them a public name): {new}"
 
 
 REPO = PACKAGE.parents[1]

@@ -38,6 +38,7 @@ from dflash_regen.fleet import smoke
 from dflash_regen.layout import FleetFiles, report_file
 from dflash_regen.prompts.planning import accepted, to_generate
 from dflash_regen.settings.run_config import RunConfig
+from dflash_regen.tables import markdown_table
 
 log = logging.getLogger(__name__)
 
@@ -339,9 +340,7 @@ def format_table(report: dict) -> str:
     lines = [f"autotune: {len(report['candidates'])} candidates in {_hours(report['tuning_s'])} (at most "
              f"{report['candidate_s']:g} s each, budget {report['budget_s']:g} s), {report['sample_prompts']} prompts "
              f"of the run; predictions for {report['run']['prompts']:,} prompts on {report['run']['servers']} servers",
-             "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    lines += ["| " + " | ".join(r[h] for h in head) + " |" for r in rows]
-    lines.append("")
+             "", markdown_table(head, [[r[h] for h in head] for r in rows], padded=False), ""]
     lines.append(f"chosen: {report['chosen'] or 'none measured'}"
                  + (f" ({report['chosen_flags']})" if report.get("chosen_flags") else "")
                  + (f"; mode {report['mode']}: {report.get('action', '')}" if report.get("mode") else ""))

@@ -20,6 +20,7 @@ from dflash_regen.fleet.servers import Server, servers_of
 from dflash_regen.fleet.smoke import gated
 from dflash_regen.settings.run_config import FleetConfig, RunConfig
 from dflash_regen.sglang.api import Allocation, Api, parse_startup_log
+from dflash_regen.tables import Column, text_table
 
 __all__ = ["Allocation", "parse_startup_log", "binding_advice", "health_gate", "probe_server"]
 
@@ -107,16 +108,18 @@ def probe_server(server: Server, api_key: str, cfg: FleetConfig, timeout_s: floa
     return result
 
 
+TABLE_COLUMNS = (Column("server", 40), Column("health", 7), Column("KV tokens", 11, ">", ","),
+                 Column("KV GB", 6, ">", ".1f"), Column("slots", 5, ">"), Column("mamba", 5, ">"),
+                 Column("KV fits", 7, ">"), Column("binding", gap=2))
+
+
 def format_table(results: list[ServerHealth]) -> str:
-    header = f"{'server':<40} {'health':<7} {'KV tokens':>11} {'KV GB':>6} {'slots':>5} {'mamba':>5} " \
-             f"{'KV fits':>7}  binding"
-    rows = [header, "-" * len(header)]
+    rows = []
     for r in results:
         a = r.allocation or {}
-        rows.append(f"{r.server:<40} {'ok' if r.healthy else 'DOWN':<7} {a.get('kv_tokens', 0):>11,} "
-                    f"{a.get('kv_cache_gb') or 0:>6.1f} {a.get('running_slots', 0):>5} "
-                    f"{a.get('mamba_slots') or 0:>5} {r.kv_request_capacity or 0:>7}  {r.binding}")
-    return "\n".join(rows)
+        rows.append((r.server, "ok" if r.healthy else "DOWN", a.get("kv_tokens", 0), a.get("kv_cache_gb") or 0,
+                     a.get("running_slots", 0), a.get("mamba_slots") or 0, r.kv_request_capacity or 0, r.binding))
+    return text_table(TABLE_COLUMNS, rows)
 
 
 def health_gate(servers: list[Server], api_key: str, cfg: FleetConfig) -> dict:

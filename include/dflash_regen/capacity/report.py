@@ -30,6 +30,7 @@ from dflash_regen.layout import report_file
 from dflash_regen.prompts.planning import to_generate
 from dflash_regen.settings.nodes import READY
 from dflash_regen.settings.run_config import GenerationSettings, RunConfig
+from dflash_regen.tables import markdown_table
 
 log = logging.getLogger(__name__)
 
@@ -124,11 +125,7 @@ def format_table(report: dict) -> str:
                      f"reads): {b['tokens_past_share']:.1%} of output tokens lie past it; it saves "
                      f"{b['saving_share']:.1%} of the generation time and cuts {b['samples_cut_share']:.1%} of the "
                      f"samples ({b['reasoning_only_share']:.1%} left reasoning-only); Param budget = train_length")
-    rows = [list(report["table"][0])] + [list(row.values()) for row in report["table"]]
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    table = ["| " + " | ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) + " |" for r in rows]
-    table.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
-    lines += [""] + table
+    lines += ["", markdown_table(list(report["table"][0]), [list(row.values()) for row in report["table"]])]
     if any(sc["extrapolated"] for sc in report["scenarios"]):
         lines.append(f"\\* beyond the largest measured batch ({curve['measured_up_to']}): the fitted curve is "
                      "extrapolated")

@@ -18,6 +18,7 @@ from dflash_regen.fleet.servers import Server, servers_of
 from dflash_regen.layout import RunLayout
 from dflash_regen.settings.run_config import FleetConfig, RunConfig, SamplingConfig
 from dflash_regen.sglang.api import Api, chat_payload, reasoning_tokens, with_retries
+from dflash_regen.tables import Column, text_table
 
 log = logging.getLogger(__name__)
 
@@ -139,16 +140,15 @@ def smoke_one(server: Server, api_key: str, prompt: str, spec: dict, sampling: S
     return result
 
 
+TABLE_COLUMNS = (Column("server", 40), Column("prompt", 10), Column("result", 6), Column("finish", 10),
+                 Column("tokens", 6, ">"), Column("reason", 6, ">"), Column("chars", 6, ">"), Column("tools", 5, ">"),
+                 Column("secs", 6, ">", ".2f"), Column("tok/s", 7, ">", ".0f"))
+
+
 def format_table(smokes: list[ServerSmoke]) -> str:
-    header = f"{'server':<40} {'prompt':<10} {'result':<6} {'finish':<10} {'tokens':>6} {'reason':>6} " \
-             f"{'chars':>6} {'tools':>5} {'secs':>6} {'tok/s':>7}"
-    rows = [header, "-" * len(header)]
-    for smoke in smokes:
-        for r in smoke.results:
-            rows.append(f"{r.server:<40} {r.prompt:<10} {'ok' if r.ok else 'FAIL':<6} {r.finish_reason or '-':<10} "
-                        f"{r.completion_tokens:>6} {r.reasoning_tokens:>6} {r.content_chars:>6} {r.tool_calls:>5} "
-                        f"{r.latency_s:>6.2f} {r.tokens_per_s:>7.0f}")
-    return "\n".join(rows)
+    return text_table(TABLE_COLUMNS, [(r.server, r.prompt, "ok" if r.ok else "FAIL", r.finish_reason or "-",
+                               r.completion_tokens, r.reasoning_tokens, r.content_chars, r.tool_calls, r.latency_s,
+                               r.tokens_per_s) for smoke in smokes for r in smoke.results])
 
 
 def smoke_gate(servers: list[Server], api_key: str, sampling: SamplingConfig, fleet: FleetConfig) -> dict:

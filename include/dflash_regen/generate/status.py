@@ -4,7 +4,7 @@
 Fleet page reads it for live progress (results a running shard holds in memory count too), the shard table
 and the incidents (a failed attempt, its server and first error line; the retry and where it ran). A task
 killed outright cannot write its end: its last attempt stays "running" with a stale `updated_at`, and the
-reader decides what that means (ui/fleet_page.py compares it with the next attempt and with Airflow's state).
+reader decides what that means (ui/progress.py compares it with the next attempt and with Airflow's state).
 """
 
 from __future__ import annotations

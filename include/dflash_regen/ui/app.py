@@ -34,7 +34,8 @@ from dflash_regen.errors import RunNotFound
 from dflash_regen.generate.shard import request_drain
 from dflash_regen.layout import RunLayout
 from dflash_regen.ui import charts
-from dflash_regen.ui.fleet_page import SLOW_SHARE, fleet_report, short_name
+from dflash_regen.ui.fleet_page import fleet_report, short_name
+from dflash_regen.ui.progress import SLOW_SHARE
 from dflash_regen.ui.quality_page import quality_report
 from dflash_regen.ui.runs import RUNNING_STATES, list_runs, resolve_run, run_root, run_state
 

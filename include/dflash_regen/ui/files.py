@@ -12,7 +12,7 @@ from dflash_regen.generate import status as shard_status
 from dflash_regen.layout import RunLayout
 
 
-def _json(path: Path) -> dict | None:
+def read_json(path: Path) -> dict | None:
     try:
         return json.loads(path.read_text())
     except (OSError, ValueError):
@@ -22,7 +22,7 @@ def _json(path: Path) -> dict | None:
 _CACHE: dict[tuple[str, str], tuple[tuple[int, int], object]] = {}
 
 
-def _cached(path: Path, kind: str, load):
+def cached(path: Path, kind: str, load):
     """`load(path)`, remembered until the file changes; None for a file that vanished or is half written."""
     try:
         st = path.stat()
@@ -40,7 +40,7 @@ def _cached(path: Path, kind: str, load):
     return value
 
 
-def _forget_missing(folder: Path) -> None:
+def forget_missing(folder: Path) -> None:
     """Drop cache entries of merged-away checkpoint parts under `folder`, so the cache does not grow forever."""
     prefix = str(folder) + "/"
     for key in [k for k in _CACHE if k[1].startswith(prefix)]:
@@ -48,15 +48,15 @@ def _forget_missing(folder: Path) -> None:
             del _CACHE[key]
 
 
-def _rows(path: Path) -> int:
-    return _cached(path, "rows", lambda p: pq.read_metadata(p).num_rows) or 0  # the footer only
+def row_count(path: Path) -> int:
+    return cached(path, "rows", lambda p: pq.read_metadata(p).num_rows) or 0  # the footer only
 
 
 def _columns(paths: list[Path], *names: str) -> list[list]:
     """The named columns over all files, read together so they stay row-aligned."""
     values: list[list] = [[] for _ in names]
     for path in paths:
-        table = _cached(path, "cols:" + ",".join(names), lambda p: pq.read_table(p, columns=list(names)))
+        table = cached(path, "cols:" + ",".join(names), lambda p: pq.read_table(p, columns=list(names)))
         if table is None:
             continue
         for out, name in zip(values, names, strict=True):
@@ -64,19 +64,19 @@ def _columns(paths: list[Path], *names: str) -> list[list]:
     return values
 
 
-def _column(paths: list[Path], column: str) -> list:
+def read_column(paths: list[Path], column: str) -> list:
     return _columns(paths, column)[0]
 
 
-def _statuses(run: Path) -> dict[int, dict]:
+def shard_statuses(run: Path) -> dict[int, dict]:
     out = {}
     for path in RunLayout(run).status_files():
-        status = _cached(path, "status", shard_status.read)  # a finished shard's file never changes again
+        status = cached(path, "status", shard_status.read)  # a finished shard's file never changes again
         if status is not None:
             out[int(status["shard"])] = status
     return out
 
 
-def _assignment(run: Path) -> dict:
+def node_assignment(run: Path) -> dict:
     """Several nodes: {node: {"shards": [...], ...}} from reports/assignment.json; {} for a one-node run."""
-    return (_json(RunLayout(run).report("assignment")) or {}).get("nodes", {})
+    return (read_json(RunLayout(run).report("assignment")) or {}).get("nodes", {})

@@ -2,7 +2,7 @@
 by stage and reason, and the ETA, per run; scraped by the `monitoring` compose profile's Prometheus and drawn by
 its Grafana (deploy/monitoring/, docs/be-told-and-watch.md).
 
-The figures are the Fleet page's own (ui/fleet_page.py: `shards` and `progress`), from the same small files: the
+The figures are the Fleet page's own (ui/progress.py: `shards` and `progress`), from the same small files: the
 plan and quality reports, each shard's status file, parquet footers, and the answers' finish times, each read
 again only when its file changed (ui/files.py's cache, shared with the pages in the api-server), so a scrape
 does not re-read a run's completions.
@@ -23,15 +23,14 @@ from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 
-import numpy as np
 from fastapi import FastAPI, Header, HTTPException
 from fastapi.responses import PlainTextResponse
 
 from dflash_regen.errors import RunNotFound
-from dflash_regen.layout import COMPLETIONS, FAILURES, RunLayout, runs_dir
-from dflash_regen.ui.files import _cached, _column, _json
-from dflash_regen.ui.fleet_page import _completion_arrays, progress, shards
-from dflash_regen.ui.runs import resolve_run, run_root, run_state
+from dflash_regen.layout import FAILURES, RunLayout, runs_dir
+from dflash_regen.ui.files import read_column, read_json
+from dflash_regen.ui.progress import run_progress
+from dflash_regen.ui.runs import resolve_run, run_root
 
 MAX_RUNS = 5
 URL_PREFIX = "/dflash-metrics"  # where the plugin mounts the app: GET /dflash-metrics/metrics
@@ -72,14 +71,7 @@ def run_samples(run: Path, airflow_run: dict | None = None, now: float | None = 
     """(metric, labels, value) of one run."""
     now = time.time() if now is None else now
     layout = RunLayout(run)
-    rows = shards(run, airflow_run, now)
-    parts: dict[str, list] = {}
-    for path in layout.result_files(COMPLETIONS):
-        for name, arrays in (_cached(path, "throughput", lambda p: _completion_arrays(p, run.name)) or {}).items():
-            parts.setdefault(name, []).append(arrays)
-    by_server = {name: (np.concatenate([f for f, _ in ps]), np.concatenate([t for _, t in ps]))
-                 for name, ps in parts.items()}
-    progressed = progress(run, rows, run_state(run, airflow_run), _json(layout.report("capacity")), by_server, now)
+    rows, progressed = run_progress(run, airflow_run, now)
     run_id = (airflow_run or {}).get("run_id", run.name)
     out: list[tuple[str, dict, float]] = []
     if progressed["planned"] is not None:
@@ -88,11 +80,11 @@ def run_samples(run: Path, airflow_run: dict | None = None, now: float | None = 
     for state, n in sorted(Counter(r["state"] for r in rows).items()):
         out.append(("dflash_regen_shards", {"run_id": run_id, "state": state}, n))
     quarantined = {("plan", reason): n for reason, n in
-                   ((_json(layout.report("plan")) or {}).get("quarantined_by_reason") or {}).items()}
+                   ((read_json(layout.report("plan")) or {}).get("quarantined_by_reason") or {}).items()}
     quarantined.update({("generate", reason): n for reason, n in
-                        Counter(_column(layout.result_files(FAILURES), "reason")).items()})
+                        Counter(read_column(layout.result_files(FAILURES), "reason")).items()})
     quarantined.update({("gate", reason): n for reason, n in
-                        ((_json(layout.report("quality")) or {}).get("quarantined_by_reason") or {}).items()})
+                        ((read_json(layout.report("quality")) or {}).get("quarantined_by_reason") or {}).items()})
     for (stage, reason), n in sorted(quarantined.items()):
         out.append(("dflash_regen_quarantined", {"run_id": run_id, "stage": stage, "reason": reason}, n))
     if progressed["eta_s"] is not None:

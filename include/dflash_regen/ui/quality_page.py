@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from dflash_regen.layout import FAILURES, RunLayout
-from dflash_regen.ui.files import _column, _json
+from dflash_regen.ui.files import read_column, read_json
 from dflash_regen.ui.runs import run_state
 
 HISTOGRAM_BINS = 40
@@ -50,7 +50,7 @@ def quarantine_by_stage(run: Path) -> dict[str, dict[str, int]]:
     out = {}
     for stage, paths in stages.items():
         counts: dict[str, int] = {}
-        for reason in _column([p for p in paths if p.is_file()], "reason"):
+        for reason in read_column([p for p in paths if p.is_file()], "reason"):
             counts[reason] = counts.get(reason, 0) + 1
         out[stage] = dict(sorted(counts.items(), key=lambda kv: -kv[1]))
     return out
@@ -78,9 +78,9 @@ def histogram(values: list[int], bins: int = HISTOGRAM_BINS, split_at: int | Non
 
 def quality_report(run: Path, airflow_run: dict | None = None) -> dict:
     layout = RunLayout(run)
-    quality = _json(layout.report("quality"))
-    plan = _json(layout.report("plan")) or {}
-    masks = _column(layout.summary_files(), "loss_mask_sum")
+    quality = read_json(layout.report("quality"))
+    plan = read_json(layout.report("plan")) or {}
+    masks = read_column(layout.summary_files(), "loss_mask_sum")
     empty_at = (quality or {}).get("settings", {}).get("empty_mask_tokens", 6)
     expectations = []
     for e in (quality or {}).get("expectations", []):

@@ -9,7 +9,7 @@ from pathlib import Path
 from dflash_regen.errors import RunNotFound
 from dflash_regen.layout import RunLayout, runs_dir
 from dflash_regen.settings.run_config import safe_run_id
-from dflash_regen.ui.files import _assignment, _json, _statuses
+from dflash_regen.ui.files import node_assignment, read_json, shard_statuses
 
 # Tasks in pipeline order: where a failed run stopped, what never ran.
 PIPELINE = ("stage_weights", "launch_fleet", "health_check", "smoke_test", "plan_shards", "calibrate", "generate",
@@ -47,7 +47,7 @@ def first_failed(tasks: list[dict]) -> dict | None:
     return {**ordered[0], "task": _ti_label(ordered[0])} if ordered else None
 
 
-def _first_line(text) -> str:
+def first_line(text) -> str:
     return (str(text or "").strip().splitlines() or [""])[0]
 
 
@@ -55,7 +55,7 @@ def run_state(run: Path | None, airflow_run: dict | None) -> dict:
     """The run's state, dates, failed tasks with their first error line where the folder has it, and where it
     stopped; from Airflow when it knows the run, else what the folder alone can tell. `run` is None for a run
     that has no folder yet (queued, or failed before it wrote one): Airflow's state alone."""
-    errors, statuses = (_folder_errors(run), _statuses(run)) if run else ({}, {})
+    errors, statuses = (_folder_errors(run), shard_statuses(run)) if run else ({}, {})
     if airflow_run is None:
         return {"known": False, "state": None, "start": None, "end": None, "duration_s": None, "stopped_by": None,
                 "failed": [],
@@ -71,7 +71,7 @@ def run_state(run: Path | None, airflow_run: dict | None) -> dict:
         # the folder's reports, else the first line Airflow's log of the task holds (the plugin reads it)
         error = errors.get(t["task_id"]) or t.get("error") or ""
         if run and (t["task_id"] == "generate" or t["task_id"].endswith(".generate")):
-            shard = next((n for n, ti in _generate_tis(run, airflow_run).items() if ti is t), t["map_index"])
+            shard = next((n for n, ti in generate_tis(run, airflow_run).items() if ti is t), t["map_index"])
             attempts = (statuses.get(shard) or {}).get("attempts", [])
             error = next((a.get("error", "") for a in reversed(attempts) if a.get("state") == "failed"),
                          t.get("error") or "")
@@ -96,9 +96,9 @@ def run_state(run: Path | None, airflow_run: dict | None) -> dict:
 def _folder_errors(run: Path) -> dict[str, str]:
     """The first error line of each task whose failure the run folder records (the gates' reports)."""
     layout = RunLayout(run)
-    errors = {"health_check": _first_line((_json(layout.report("health")) or {}).get("error")),
-              "smoke_test": _first_line((_json(layout.report("smoke")) or {}).get("error"))}
-    quality = _json(layout.report("quality"))
+    errors = {"health_check": first_line((read_json(layout.report("health")) or {}).get("error")),
+              "smoke_test": first_line((read_json(layout.report("smoke")) or {}).get("error"))}
+    quality = read_json(layout.report("quality"))
     if quality is not None and not quality.get("success"):
         failed = [f"{e['expectation']} {e.get('kwargs', {}).get('column', '')}: observed {e.get('observed')}"
                   for e in quality.get("expectations", []) if not e.get("success")]
@@ -139,18 +139,18 @@ NO_COUNTS = {"prompts": None, "published": None, "quarantined": None, "quality":
 
 def _run_counts(run: Path) -> dict:
     layout = RunLayout(run)
-    plan = _json(layout.report("plan")) or {}
-    quality = _json(layout.report("quality"))
+    plan = read_json(layout.report("plan")) or {}
+    quality = read_json(layout.report("quality"))
     return {"prompts": plan.get("rows"), "published": (quality or {}).get("kept"),
             "quarantined": None if quality is None else plan.get("rows", 0) - quality.get("kept", 0),
             "quality": None if quality is None else bool(quality.get("success")),
             "data_docs": layout.data_docs_index.is_file()}
 
 
-def _generate_tis(run: Path, airflow_run: dict | None) -> dict[int, dict]:
+def generate_tis(run: Path, airflow_run: dict | None) -> dict[int, dict]:
     """The generate task instance of each shard: `generate[i]` is shard i; with several nodes,
     `<node>.generate[i]` is the node's i-th assigned shard."""
-    assignment, out = _assignment(run), {}
+    assignment, out = node_assignment(run), {}
     for t in (airflow_run or {}).get("tasks", []):
         if t["task_id"] == "generate":
             out[t["map_index"]] = t

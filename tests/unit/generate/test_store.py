@@ -11,7 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from dflash_regen.demo.model import write_demo_model
-from dflash_regen.generate import store
+from dflash_regen.generate import run_plan, store
 from dflash_regen.layout import COMPLETIONS, store_dir
 from dflash_regen.prompts import planning
 from dflash_regen.prompts.formats import prompt_digest
@@ -81,16 +81,16 @@ def answer(cfg: RunConfig, shards: list[dict], temperature: float | None = None)
 def test_a_rerun_links_whole_shards_and_never_reuses_rows_made_with_other_settings(tmp_path, model):
     a = config(tmp_path, "a")
     shards_a = plan(tmp_path, a, 8)
-    store.plan_reuse(a, shards_a, model)
+    run_plan.plan_reuse(a, shards_a, model)
     answer(a, shards_a)
     # run x claims a's fingerprint but its rows were sampled at another temperature (a copied-in folder)
     x = config(tmp_path, "x")
     shards_x = plan(tmp_path, x, 12)
-    store.plan_reuse(x, shards_x, model)
+    run_plan.plan_reuse(x, shards_x, model)
     answer(x, shards_x[2:], temperature=0.9)  # p8..p11
     b = config(tmp_path, "b")
     shards_b = plan(tmp_path, b, 12)
-    report = store.plan_reuse(b, shards_b, model)
+    report = run_plan.plan_reuse(b, shards_b, model)
     assert report["reused"] == 8 and report["to_generate"] == 4 and [s["to_generate"] for s in shards_b] == [0, 0, 4]
     assert report["whole_shards_linked"] == 2 and report["by_source_run"] == {"a": 8}
     assert [p["problem"] for p in report["problems"]] == [
@@ -99,21 +99,21 @@ def test_a_rerun_links_whole_shards_and_never_reuses_rows_made_with_other_settin
         assert os.path.samefile(b.layout.merged(COMPLETIONS, n), a.layout.merged(COMPLETIONS, n))
     assert not b.layout.merged(COMPLETIONS, 2).exists()  # left to generate
     # planned again (a retry), nothing is placed twice and the rejected file stays out
-    again = store.plan_reuse(b, [dict(s) for s in shards_b], model)
+    again = run_plan.plan_reuse(b, [dict(s) for s in shards_b], model)
     assert again["reused"] == 0 and again["problems"] == [] and again["by_source_run"] == {"a": 8}
     # an id given other text is another prompt: its completion is not reused
     d = config(tmp_path, "d")
-    edited = store.plan_reuse(d, plan(tmp_path, d, 8, edited=5), model)
+    edited = run_plan.plan_reuse(d, plan(tmp_path, d, 8, edited=5), model)
     assert edited["reused"] == 7 and edited["other_prompt_text"] == 1 and edited["to_generate"] == 1
     # with Param reuse off nothing is taken, and the report says why
     off = config(tmp_path, "c", reuse="off")
-    assert store.plan_reuse(off, plan(tmp_path, off, 8), model)["why_none"] == "Param reuse is off"
+    assert run_plan.plan_reuse(off, plan(tmp_path, off, 8), model)["why_none"] == "Param reuse is off"
 
 
 def test_the_cli_lists_fingerprints_runs_samples_and_bytes_and_prunes_for_good(tmp_path, model, capsys):
     a = config(tmp_path, "a")
     shards = plan(tmp_path, a, 8)
-    store.plan_reuse(a, shards, model)
+    run_plan.plan_reuse(a, shards, model)
     answer(a, shards)
     store.sync(a.output_root)
     root = str(a.output_root)
@@ -130,7 +130,7 @@ def test_the_cli_lists_fingerprints_runs_samples_and_bytes_and_prunes_for_good(t
     assert not (store_dir(a.output_root) / entry["fingerprint"]).exists()
     assert all(p.is_file() for p in a.layout.merged_files(COMPLETIONS))  # the run's own files stay
     b = config(tmp_path, "b")
-    assert store.plan_reuse(b, plan(tmp_path, b, 8), model)["reused"] == 0  # pruned stays pruned
+    assert run_plan.plan_reuse(b, plan(tmp_path, b, 8), model)["reused"] == 0  # pruned stays pruned
 
 
 def test_without_the_model_dir_where_planning_runs_reuse_fails_clearly_and_off_indexes_nothing(tmp_path):
@@ -138,7 +138,7 @@ def test_without_the_model_dir_where_planning_runs_reuse_fails_clearly_and_off_i
 
     a = config(tmp_path, "a")
     with pytest.raises(ConfigError, match=r"has no config.json here \(Param model_source_dir\): fix the path"):
-        store.plan_reuse(a, plan(tmp_path, a, 4), tmp_path / "no-model")
+        run_plan.plan_reuse(a, plan(tmp_path, a, 4), tmp_path / "no-model")
     off = config(tmp_path, "b", reuse="off")
-    report = store.plan_reuse(off, plan(tmp_path, off, 4), tmp_path / "no-model")
+    report = run_plan.plan_reuse(off, plan(tmp_path, off, 4), tmp_path / "no-model")
     assert report["to_generate"] == 4 and not off.layout.generation_record.exists()

@@ -16,7 +16,8 @@ from fastapi.testclient import TestClient
 from dflash_regen.layout import COMPLETIONS, FAILURES, RunLayout, runs_dir
 from dflash_regen.ui import charts
 from dflash_regen.ui.app import build_app, offline_html
-from dflash_regen.ui.fleet_page import THROUGHPUT_POINTS, fleet_report, progress, throughput_series
+from dflash_regen.ui.fleet_page import fleet_report
+from dflash_regen.ui.progress import THROUGHPUT_POINTS, progress, throughput_series
 from dflash_regen.ui.quality_page import histogram
 
 RUN = "manual__2026-12-03T10:00:00+00:00"
