@@ -112,7 +112,7 @@ def _server_flags(text: str, name: str = "") -> list[str]:
 
 @dataclass(frozen=True)
 class SamplingConfig:
-    """How every request samples: smoke, generation and calibration send these (sglang.http.chat_payload)."""
+    """How every request samples: smoke, generation and calibration send these (sglang.api.chat_payload)."""
 
     max_tokens: int
     temperature: float
