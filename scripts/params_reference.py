@@ -13,7 +13,7 @@ import json
 import sys
 
 from dflash_regen.settings.deployment import _ENV
-from dflash_regen.settings.params import SPECS, Spec, _range_rule
+from dflash_regen.settings.params import SPECS, Spec, range_rule
 
 HEADER = """# Param reference
 
@@ -37,17 +37,18 @@ def _type(spec: Spec) -> str:
     return " or ".join(named) + (" (may be empty)" if "null" in kinds else "")
 
 
-def _default(name: str, spec: Spec) -> str:
-    value = "~/dflash-regen" if name == "output_root" else spec.default  # the table's is the home of whoever runs it
+def _default(spec: Spec) -> str:
+    # The table's output root is the home of whoever runs it.
+    value = "~/dflash-regen" if spec.deployed == "output_root" else spec.default
     shown = (f"`{value}`" if value else "empty") if isinstance(value, str) else f"`{json.dumps(value)}`"
-    return f"*deployment* `{_ENV[name]}`; demo: {shown}" if name in _ENV else shown
+    return f"*deployment* `{_ENV[spec.deployed]}`; demo: {shown}" if spec.deployed else shown
 
 
 def _allowed(spec: Spec) -> str:
     if spec.enum:
         return "one of " + ", ".join(f"`{v}`" for v in spec.enum)
     if spec.minimum is not None or spec.maximum is not None or spec.exclusive_minimum is not None:
-        return _range_rule(spec).removeprefix("must be ")
+        return range_rule(spec).removeprefix("must be ")
     if spec.rule:
         return spec.rule.removeprefix("must be ")
     if spec.min_length:
@@ -68,7 +69,7 @@ def render() -> str:
             section = spec.section
             lines += ["", f"## {section}", "", "| Param | type | default | allowed | description |",
                       "|---|---|---|---|---|"]
-        cells = (f"`{name}`", _type(spec), _default(name, spec), _allowed(spec),
+        cells = (f"`{name}`", _type(spec), _default(spec), _allowed(spec),
                  f"**{spec.title}.** {spec.description}")
         lines.append("| " + " | ".join(_cell(c) for c in cells) + " |")
     return "\n".join(lines) + "\n"

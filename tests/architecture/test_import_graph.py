@@ -114,3 +114,39 @@ def test_no_module_imports_another_modules_private_names():
                 taken |= {(name, f"{node.module}.{a.name}") for a in node.names if a.name.startswith("_")}
     new = sorted(taken - PRIVATE_IMPORTS_LEFT)
     assert not new, f"private names taken from another module (give them a public name): {new}"
+
+
+REPO = PACKAGE.parents[1]
+TRANSPORT = "dflash_regen.sglang.http"
+
+
+def _imports_in(path: Path) -> set[str]:
+    """Every module `path` imports (of ours or not), by absolute name, at the top or inside functions."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            out |= {node.module, *(f"{node.module}.{a.name}" for a in node.names)}
+    return out
+
+
+def test_sglang_api_is_the_only_door_to_a_server():
+    """`sglang/api.Api` is the one door: its transport (sglang/http.py) and the HTTP client library it uses are
+    imported by no other module of the package, DAG, plugin or script; only the transport's own unit tests
+    (tests/unit/sglang) reach past the door. Tests and benchmarks may talk HTTP to a server themselves."""
+    own = PACKAGE / "sglang"
+    files = [p for top in ("include", "dags", "plugins", "scripts", "bench", "tests")
+             for p in (REPO / top).rglob("*.py")]
+    assert len(files) > 100
+    breaches = []
+    for path in files:
+        imported = _imports_in(path)
+        transport = any(m == TRANSPORT or m.startswith(TRANSPORT + ".") for m in imported)
+        if transport and path != own / "api.py" and (REPO / "tests" / "unit" / "sglang") not in path.parents:
+            breaches.append(f"{path.relative_to(REPO)} imports {TRANSPORT}")
+        client = {m.partition(".")[0] for m in imported} & {"httpx", "requests"}
+        in_package = PACKAGE in path.parents and (PACKAGE / "emulator") not in path.parents
+        if client and in_package and path.parent != own:
+            breaches.append(f"{path.relative_to(REPO)} imports {sorted(client)}: ask sglang.api.Api instead")
+    assert not breaches, "past sglang.api:\n" + "\n".join(breaches)

@@ -12,7 +12,7 @@ too (0.5.23 here: the newest). For each, the emulator in that version's mode:
 - streams chunks SGLang's `ChatCompletionStreamResponse` accepts, the ids in a chunk of their own after the finish
   chunk and before usage, and refuses the choice-level ids with `stream` as serving_chat.py does;
 - the pipeline's own request (`Dialect.token_ids_request`) asks only for fields the version's request model has,
-  and `sglang.http` reads them back.
+  and `sglang.api` reads them back.
 """
 
 from __future__ import annotations
@@ -27,8 +27,7 @@ from wheels import Judge
 from dflash_regen.fleet import servers as fleet_servers
 from dflash_regen.fleet.smoke import PROMPTS
 from dflash_regen.settings.run_config import RunConfig
-from dflash_regen.sglang.api import Dialect
-from dflash_regen.sglang.http import make_session, stream_chat, token_ids
+from dflash_regen.sglang.api import Api, Dialect, token_ids
 
 pytestmark = pytest.mark.xdist_group("sglang_contract")
 
@@ -152,7 +151,8 @@ def test_streamed_ids_come_in_a_chunk_of_their_own_after_the_finish_chunk(id_jud
     assert ext["input_ids"] == sglang_prompt_ids(id_judge, tok, payload)
     assert ext["output_ids"][0][-1] == IM_END and len(ext["output_ids"][0]) == chunks[-1]["usage"]["completion_tokens"]
     # The pipeline's reader puts them in its result.
-    result = stream_chat(make_session(1), id_server.url, id_server.key, payload, stall_s=30, cap_s=60)
+    with Api(id_server.url, id_server.key, pool_size=1) as api:
+        result = api.stream(payload, stall_s=30, cap_s=60)
     assert (result.prompt_ids, result.output_ids) == (ext["input_ids"], ext["output_ids"][0])
 
 

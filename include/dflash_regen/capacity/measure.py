@@ -19,8 +19,7 @@ import pyarrow.parquet as pq
 from dflash_regen.errors import Cancelled, CapacityError, MetricsMissing, PromptError, TransientError
 from dflash_regen.fleet.servers import Server
 from dflash_regen.settings.run_config import GenerationSettings, sample_seed
-from dflash_regen.sglang.api import Api
-from dflash_regen.sglang.http import ChatResult, chat_payload, make_session, reasoning_tokens, with_retries
+from dflash_regen.sglang.api import Api, ChatResult, chat_payload, reasoning_tokens, with_retries
 
 log = logging.getLogger(__name__)
 
@@ -74,8 +73,7 @@ class _Level:
                  concurrency: int, cycle: bool):
         self.server, self.api_key, self.settings = server, api_key, settings
         self.concurrency = concurrency
-        self.session = make_session(concurrency + 1)
-        self.api = Api(server.url, api_key, session=self.session)
+        self.api = Api(server.url, api_key, pool_size=concurrency + 1)
         self._prompts = itertools.cycle(prompts) if cycle else iter(prompts)
         self._lock = threading.Lock()
         self.stop = threading.Event()

@@ -26,6 +26,8 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import psutil
+
 from dflash_regen.errors import FleetError, GateFailed, LaunchRefused, NoServerFree
 from dflash_regen.fleet.preflight import preflight
 from dflash_regen.layout import FleetFiles
@@ -133,30 +135,57 @@ def plan_servers(cfg: FleetConfig, model_path: Path, fleet_dir: Path, api_key: s
 
 
 # ------------------------------------------------------------------------------------------ process control
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
 def start_ticks(pid: int) -> int:
-    """Process start time in clock ticks since boot (field 22 of /proc/<pid>/stat); 0 if gone."""
+    """Process start time in clock ticks since boot (what /proc/<pid>/stat records, and the records in
+    `fleet/server-<i>.json` and the run lock keep); 0 if gone."""
     try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except (FileNotFoundError, ProcessLookupError):
+        return _ticks(psutil.Process(pid)) if pid > 0 else 0
+    except psutil.Error:
         return 0
-    return int(stat.rsplit(")", 1)[1].split()[19])
+
+
+def _ticks(proc: psutil.Process) -> int:
+    """psutil's `create_time` is the start since boot plus the boot time: the start since boot is kept, which a
+    change of the system clock does not move."""
+    return round((proc.create_time() - psutil.boot_time()) * CLOCK_TICKS)
+
+
+def _process_of(server: Server) -> psutil.Process | None:
+    """The recorded process while it is still the one launched (same pid, same start time) and not a zombie."""
+    if server.pid <= 0:
+        return None
+    try:
+        proc = psutil.Process(server.pid)
+        return proc if _ticks(proc) == server.start_ticks and _running(proc) else None
+    except psutil.Error:
+        return None
+
+
+def _running(proc: psutil.Process) -> bool:
+    """Not ended: a zombie has (its parent has yet to reap it), and so has a pid now reused (psutil checks)."""
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
 
 
 def is_alive(server: Server) -> bool:
     """True while the recorded process (same pid, same start time) exists and is not a zombie."""
-    try:
-        stat = Path(f"/proc/{server.pid}/stat").read_text()
-    except (FileNotFoundError, ProcessLookupError):
-        return False
-    fields = stat.rsplit(")", 1)[1].split()
-    return fields[0] != "Z" and int(fields[19]) == server.start_ticks
+    return _process_of(server) is not None
 
 
-def _reap(pid: int) -> None:
+def _child_watcher(server: Server) -> psutil.Process | None:
+    """The server's watcher (its process group leader) if this process started it: ours to reap."""
+    if not server.pgid or server.pgid == server.pid:
+        return None
     try:
-        os.waitpid(pid, os.WNOHANG)
-    except ChildProcessError:
-        pass  # not our child (launched by an earlier task process): init reaps it
+        watcher = psutil.Process(server.pgid)
+        return watcher if watcher.ppid() == os.getpid() else None
+    except psutil.Error:
+        return None
 
 
 def start_server(server: Server, base_env: dict[str, str], fleet_dir: Path,
@@ -202,38 +231,36 @@ def load_servers(fleet_dir: Path) -> list[Server]:
 
 def stop_servers(servers: list[Server], *, grace_s: float = 15.0) -> list[str]:
     """TERM each recorded process group, then KILL what is left; returns what was stopped."""
-    stopped = []
-    live = [s for s in servers if s.pid and is_alive(s)]
-    for server in live:
+    live = [(s, proc) for s in servers if (proc := _process_of(s)) is not None]
+    for server, _ in live:
         try:
             os.killpg(server.pgid or server.pid, signal.SIGTERM)
         except ProcessLookupError:
             continue
-    deadline = time.monotonic() + grace_s
-    while time.monotonic() < deadline:
-        for server in live:
-            _reap(server.pgid or server.pid)
-        if not any(is_alive(s) for s in live):
-            break
-        time.sleep(0.1)
-    for server in live:
-        if is_alive(server):
-            log.warning("%s ignored SIGTERM for %.0f s: sending SIGKILL", server.name, grace_s)
-            try:
-                os.killpg(server.pgid or server.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-    for server in live:
-        for _ in range(50):
-            _reap(server.pgid or server.pid)
-            if not is_alive(server):
-                break
-            time.sleep(0.1)
-        else:
-            raise FleetError(f"{server.name} pid {server.pid} is still alive after SIGKILL; check `ps -p "
-                             f"{server.pid}` (stuck in the kernel? a GPU driver hang?)")
-        stopped.append(f"{server.name} pid {server.pid}")
-    return stopped
+    for server, _ in (left := _wait_ended(live, grace_s)):
+        log.warning("%s ignored SIGTERM for %.0f s: sending SIGKILL", server.name, grace_s)
+        try:
+            os.killpg(server.pgid or server.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    for server, _ in _wait_ended(left, 5.0):
+        raise FleetError(f"{server.name} pid {server.pid} is still alive after SIGKILL; check `ps -p "
+                         f"{server.pid}` (stuck in the kernel? a GPU driver hang?)")
+    return [f"{server.name} pid {server.pid}" for server, _ in live]
+
+
+def _wait_ended(live: list[tuple[Server, psutil.Process]], timeout_s: float) -> list[tuple[Server, psutil.Process]]:
+    """Wait up to `timeout_s` for the servers' processes to end (and for their watchers this process started, which
+    `psutil.wait_procs` reaps); returns the servers still running."""
+    watchers = [w for server, _ in live if (w := _child_watcher(server)) is not None]
+    waiting = [proc for _, proc in live] + watchers
+    deadline = time.monotonic() + timeout_s
+    while True:
+        running = [(server, proc) for server, proc in live if _running(proc)]
+        left_s = deadline - time.monotonic()
+        if left_s <= 0 or not (running or any(w in waiting for w in watchers)):
+            return running
+        _, waiting = psutil.wait_procs(waiting, timeout=min(left_s, 0.5))
 
 
 def stop_fleet(fleet_dir: Path) -> list[str]:

@@ -18,8 +18,7 @@ from dflash_regen.fleet.servers import Server, servers_of
 from dflash_regen.layout import RunLayout
 from dflash_regen.payloads import Fleet, Smoke
 from dflash_regen.settings.run_config import FleetConfig, RunConfig, SamplingConfig
-from dflash_regen.sglang.api import Api
-from dflash_regen.sglang.http import chat_payload, reasoning_tokens, with_retries
+from dflash_regen.sglang.api import Api, chat_payload, reasoning_tokens, with_retries
 from dflash_regen.tables import Column, text_table
 
 log = logging.getLogger(__name__)

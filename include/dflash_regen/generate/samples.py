@@ -17,9 +17,8 @@ from dflash_regen.errors import PromptError, ServerError, ServerUnhealthy, Trans
 from dflash_regen.fleet.servers import Server, healthy_servers, is_alive, load_servers
 from dflash_regen.prompts.formats import prompt_digest
 from dflash_regen.settings.run_config import GenerationSettings, sample_seed
-from dflash_regen.sglang import http
-from dflash_regen.sglang.api import Api, Dialect
-from dflash_regen.sglang.http import ChatResult, make_session, stream_chat
+from dflash_regen.sglang import api
+from dflash_regen.sglang.api import Api, ChatResult, Dialect
 
 log = logging.getLogger(__name__)
 
@@ -36,9 +35,9 @@ class Stopped(ServerUnhealthy):
 def chat_payload(messages: list[dict], tools: list[dict] | None, settings: GenerationSettings, seed: int,
                  max_tokens: int, dialect: Dialect | None = None) -> dict:
     """`dialect`: the serving version, asked for the prompt's and the output's token ids where it streams them."""
-    return http.chat_payload(messages, tools, settings.sampling, model=settings.served_model_name,
-                             max_tokens=max_tokens, seed=seed,
-                             extra=dialect.token_ids_request(stream=True) if dialect else None)
+    return api.chat_payload(messages, tools, settings.sampling, model=settings.served_model_name,
+                            max_tokens=max_tokens, seed=seed,
+                            extra=dialect.token_ids_request(stream=True) if dialect else None)
 
 
 def _turn(result: ChatResult) -> dict:
@@ -58,14 +57,14 @@ class Generator:
         self.server, self.api_key, self.settings, self.fleet_dir = server, api_key, settings, fleet_dir
         self.dialect = dialect
         self.model_revision = model_revision
-        self.session = make_session(in_flight)
+        self.api = Api(server.url, api_key, pool_size=in_flight)
         self.stop = threading.Event()
         self._lock = threading.Lock()
         self._consecutive_failures = 0
         self.failure_limit = max(2 * in_flight, 8)
 
     def _request(self, payload: dict) -> tuple[ChatResult, int, str]:
-        """(result, attempts, name of the server that answered), by the one retry policy (`http.with_retries`)."""
+        """(result, attempts, name of the server that answered), by the one retry policy (`api.with_retries`)."""
         attempts = 0
 
         def send() -> ChatResult:
@@ -73,12 +72,11 @@ class Generator:
             if self.stop.is_set():
                 raise Stopped("stopping: another request found the server unhealthy")
             attempts += 1
-            return stream_chat(self.session, self.server.url, self.api_key, payload,
-                               stall_s=self.settings.stall_timeout_s, cap_s=self.settings.request_cap_s)
+            return self.api.stream(payload, stall_s=self.settings.stall_timeout_s, cap_s=self.settings.request_cap_s)
 
         try:
-            result = http.with_retries(send, self.settings.request_retries + 1, on_failure=self._judge_server,
-                                       name=self.server.name, level=logging.WARNING)
+            result = api.with_retries(send, self.settings.request_retries + 1, on_failure=self._judge_server,
+                                      name=self.server.name, level=logging.WARNING)
         except ServerError as exc:  # every try met a 5xx
             result, served_by = self._second_opinion(payload, exc)
             return result, attempts + 1, served_by
@@ -124,10 +122,10 @@ class Generator:
             raise PromptError(first.status, f"{mine} (on all {self.settings.request_retries + 1} tries; no other "
                                             "healthy server to ask)")
         other = others[0]
-        with make_session(1) as session:  # not the shard's pool, which is sized for the leased server
+        with Api(other.url, self.api_key, pool_size=1) as second:  # not the shard's pool, sized for the leased server
             try:
-                result = stream_chat(session, other.url, self.api_key, payload, stall_s=self.settings.stall_timeout_s,
-                                     cap_s=self.settings.request_cap_s)
+                result = second.stream(payload, stall_s=self.settings.stall_timeout_s,
+                                       cap_s=self.settings.request_cap_s)
             except (ServerError, PromptError) as exc:
                 raise PromptError(exc.status, f"{mine}; and {other.name}: {exc}") from exc
             except TransientError:
@@ -174,7 +172,7 @@ class Generator:
             "reasoning_content": result.reasoning or None, "content": result.content or None,
             "tool_calls": json.dumps(result.tool_calls) if result.tool_calls else None,
             "finish_reason": result.finish_reason, "prompt_tokens": usage.get("prompt_tokens"),
-            "completion_tokens": usage.get("completion_tokens"), "reasoning_tokens": http.reasoning_tokens(usage),
+            "completion_tokens": usage.get("completion_tokens"), "reasoning_tokens": api.reasoning_tokens(usage),
             "latency_s": result.latency_s, "finished_at": time.time(), "attempt": attempt, "max_tokens": max_tokens,
             "temperature": s.sampling.temperature, "top_p": s.sampling.top_p, "top_k": s.sampling.top_k,
             "min_p": s.sampling.min_p, "presence_penalty": s.sampling.presence_penalty, "seed": seed,

@@ -151,10 +151,7 @@ def plan_shards(source: Path, layout: RunLayout, settings: PlanSettings) -> dict
             return plan
     if (linked := _linked_plan(layout, print_)) is not None:
         return linked
-    budget = settings.context_length - settings.sampling.max_tokens
-    if budget <= 0:
-        raise PlanFailed(f"max_tokens {settings.sampling.max_tokens:,} leaves no room for a prompt in context_length "
-                         f"{settings.context_length:,}; lower max_tokens or raise context_length")
+    budget = settings.context_length - settings.sampling.max_tokens  # > 0: RunConfig.from_params checks it
     counter = TokenCounter()
     seen: set[int] = set()
     rejected: list[Rejection] = []

@@ -15,9 +15,9 @@ from pathlib import Path
 from typing import Any
 
 from dflash_regen.errors import ConfigError
-from dflash_regen.settings.nodes import NODES_ENV
 
 EMULATOR = "emulator"
+NODES_ENV = "DFLASH_NODES"  # several GPU nodes (settings/nodes.py reads it)
 DEMO_MODEL = "demo"
 DEMO_PROMPTS = "demo"
 
@@ -73,6 +73,7 @@ class Deployment:
         return list(dict.fromkeys(Path(os.path.normpath(r)) for r in roots))
 
     def param_defaults(self) -> dict[str, Any]:
+        """The fields that set a Param's default (each Param's Spec names its field: `deployed`)."""
         return {"model_source_dir": self.model_source_dir, "staging_dir": self.staging_dir,
                 "server_command": self.server_command, "base_port": self.base_port,
                 "prompt_source": self.prompt_source, "output_root": self.output_root,

@@ -25,16 +25,17 @@ from pathlib import Path
 from dflash_regen.errors import ConfigError, GateFailed
 from dflash_regen.layout import RunLayout
 from dflash_regen.payloads import Assignment, Shard
+from dflash_regen.settings.deployment import NODES_ENV
+from dflash_regen.settings.params import key_of
 
 log = logging.getLogger(__name__)
 
-NODES_ENV = "DFLASH_NODES"
 READY, LEFT_OUT = "ready", "left_out"  # a node's reports: it passed its gates, or why it is left out
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,49}")
 _FIELDS = {"name", "queue", "gpus", "staging_dir", "base_port", "server_command", "emulator_profile"}
-# What a node sets instead of the run's Param.
-_PARAM_OF = {"staging_dir": "staging_dir", "base_port": "base_port", "server_command": "server_command",
-             "emulator_profile": "emulator_profile"}
+# What a node sets instead of the run's Param: the config field that Param fills.
+_FILLS = {"staging_dir": "RunConfig.staging_dir", "base_port": "FleetConfig.base_port",
+          "server_command": "FleetConfig.server_command", "emulator_profile": "FleetConfig.emulator_profile"}
 
 
 @dataclass(frozen=True)
@@ -53,13 +54,13 @@ class Node:
     def apply(self, params: dict) -> dict:
         """The run's Params as this node sees them."""
         out = dict(params)
-        for key, param in _PARAM_OF.items():
-            value = getattr(self, key)
+        for name, path in _FILLS.items():
+            value = getattr(self, name)
             if value not in ("", None, {}):
-                out[param] = value
+                out[key_of(path)] = value
         if self.gpus:
-            out["gpu_ids"] = self.gpus
-            out["num_servers"] = len(self.gpus.split(","))
+            out[key_of("FleetConfig.gpu_ids")] = self.gpus
+            out[key_of("FleetConfig.num_servers")] = len(self.gpus.split(","))
         return out
 
 

@@ -1,9 +1,9 @@
 """Typed, frozen run configuration built once from the DAG's Params.
 
-Every field is validated on construction against the Param table (`settings/params.py`, which the DAG's form is
-built from), plus the checks that span several Params; a bad value raises `ConfigError` naming the field, the value
-and the rule, before any GPU work starts. Airflow is not imported here: the DAG adapter passes the Params as a
-plain dict.
+Each field is the Param that fills it (`Spec.fills` in settings/params.py, which the DAG's form is built from),
+validated against its JSON schema there, or derived here from such fields; then the checks that span several
+Params. A bad value raises `ConfigError` naming the Param, the value and the rule, before any GPU work starts.
+Airflow is not imported here: the DAG adapter passes the Params as a plain dict.
 """
 
 from __future__ import annotations
@@ -14,19 +14,21 @@ import os
 import re
 import shlex
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from dflash_regen.errors import ConfigError
 from dflash_regen.layout import RunLayout, publish_dir
 from dflash_regen.settings.deployment import DEMO_MODEL, DEMO_PROMPTS, EMULATOR
-from dflash_regen.settings.params import COOKBOOK_ENV, COOKBOOK_FLAGS, SPECS, checked, defaults
-from dflash_regen.settings.params import invalid as _fail
+from dflash_regen.settings.params import COOKBOOK_ENV, COOKBOOK_FLAGS, SPECS, defaults, filled, invalid, key_of
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
 
 LAUNCHER_FLAGS = {"--model-path", "--model", "--host", "--port", "--api-key"}  # set per server by fleet.servers
-MAX_PORT = SPECS["base_port"].maximum  # the last server's port too
+MAX_PORT = SPECS[key_of("FleetConfig.base_port")].maximum  # the last server's port too
 
 # Default Param values (the DAG's trigger form shows them), the deployment's environment applied.
 DEFAULTS: dict[str, Any] = defaults()
@@ -37,28 +39,30 @@ _SHELL_META = re.compile(r"[;&|`$<>(){}\\\n*?!]")
 _RUN_ID_UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
 
 
-def _flag_value(argv: list[str], flag: str) -> str:
+def _flag_value(argv: Sequence[str], flag: str) -> str:
     return argv[argv.index(flag) + 1] if flag in argv[:-1] else ""
 
 
-def split_command(text: str, name: str = "server_command") -> list[str]:
-    """Split a command line into argv, refusing shell syntax (it is never run by a shell)."""
+def split_command(text: str, name: str) -> list[str]:
+    """Split Param `name`'s command line into argv, refusing shell syntax (it is never run by a shell)."""
     if _SHELL_META.search(text):
         bad = sorted(set(_SHELL_META.findall(text)))
-        raise _fail(name, text, f"contains shell syntax {''.join(bad)!r}; give a plain command such as "
-                    "'/opt/sglang-venv/bin/python -m sglang.launch_server' (it is run without a shell)")
+        raise invalid(name, text, f"contains shell syntax {''.join(bad)!r}; give a plain command such as "
+                      "'/opt/sglang-venv/bin/python -m sglang.launch_server' (it is run without a shell)")
     try:
         argv = shlex.split(text)
     except ValueError as exc:
-        raise _fail(name, text, f"cannot be split into arguments ({exc})") from exc
+        raise invalid(name, text, f"cannot be split into arguments ({exc})") from exc
     if not argv:
-        raise _fail(name, text, "is empty")
+        raise invalid(name, text, "is empty")
     return argv
 
 
-def parse_flags(text: str) -> list[tuple[str, str | None]]:
-    """Parse '--flag value --switch' into ordered (flag, value-or-None) pairs."""
-    tokens = split_command(text, "server_flags") if text.strip() else []
+def parse_flags(text: str, name: str = "") -> list[tuple[str, str | None]]:
+    """Parse Param `name`'s '--flag value --switch' (default: server_flags') into ordered (flag, value-or-None)
+    pairs."""
+    name = name or key_of("FleetConfig.server_flags")
+    tokens = split_command(text, name) if text.strip() else []
     pairs: list[tuple[str, str | None]] = []
     for token in tokens:
         if token.startswith("--"):
@@ -67,7 +71,7 @@ def parse_flags(text: str) -> list[tuple[str, str | None]]:
         elif pairs and pairs[-1][1] is None:
             pairs[-1] = (pairs[-1][0], token)
         else:
-            raise _fail("server_flags", text, f"{token!r} is not after a --flag; write flags as '--name value'")
+            raise invalid(name, text, f"{token!r} is not after a --flag; write flags as '--name value'")
     return pairs
 
 
@@ -95,18 +99,20 @@ def safe_run_id(run_id: str) -> str:
     return cleaned
 
 
-def _server_flags(text: str, name: str = "server_flags") -> list[str]:
-    """The cookbook flags with `text`'s overrides, refusing the flags the launcher sets per server."""
-    overrides = parse_flags(text)
+def _server_flags(text: str, name: str = "") -> list[str]:
+    """The cookbook flags with Param `name`'s overrides (default: server_flags'), refusing the flags the launcher
+    sets per server."""
+    name = name or key_of("FleetConfig.server_flags")
+    overrides = parse_flags(text, name)
     for flag, _ in overrides:
         if flag in LAUNCHER_FLAGS:
-            raise _fail(name, text, f"{flag} is set by the launcher (per server); remove it")
+            raise invalid(name, text, f"{flag} is set by the launcher (per server); remove it")
     return merge_flags(COOKBOOK_FLAGS, overrides)
 
 
 @dataclass(frozen=True)
 class SamplingConfig:
-    """How every request samples: smoke, generation and calibration send these (sglang.http.chat_payload)."""
+    """How every request samples: smoke, generation and calibration send these (sglang.api.chat_payload)."""
 
     max_tokens: int
     temperature: float
@@ -207,23 +213,19 @@ class QualitySettings:
 
     @classmethod
     def from_params(cls, params: Mapping[str, Any]) -> QualitySettings:
-        """Each field is the Param of its name, checked."""
-        return cls(**{f.name: checked(params, f.name) for f in fields(cls)})
+        """Each field is the Param that fills it, checked."""
+        return _build(cls, filled(params, cls.__name__))
 
 
 @dataclass(frozen=True)
 class NotifySettings:
-    """Where the run's messages go (dflash_regen.notify, sent by tasks.py); each field is the Param of its name."""
+    """Where the run's messages go (dflash_regen.notify, sent by tasks.py)."""
 
     notify_email_to: str
     notify_smtp_conn_id: str
     notify_apprise_urls: list[str]
     notify_apprise_conn_id: str
     notify_progress_h: float
-
-    @classmethod
-    def from_params(cls, params: Mapping[str, Any]) -> NotifySettings:
-        return cls(**{f.name: checked(params, f.name) for f in fields(cls)})
 
 
 @dataclass(frozen=True)
@@ -298,125 +300,94 @@ class RunConfig:
                        generation=replace(self.generation, reasoning_parser=_flag_value(flags, "--reasoning-parser")))
 
     @classmethod
-    def from_params(cls, params: dict, run_id: str, node: str = "") -> RunConfig:
-        def get(name: str) -> Any:  # the value, checked against its Param's spec
-            return checked(params, name)
-
-        output_root = Path(os.path.normpath(get("output_root")))
-
-        model_source_dir = get("model_source_dir")
-        if model_source_dir != DEMO_MODEL and not Path(model_source_dir).is_absolute():
-            raise _fail("model_source_dir", model_source_dir, f"must be an absolute path or {DEMO_MODEL!r}")
-        model_name = "dflash-demo-model" if model_source_dir == DEMO_MODEL else Path(model_source_dir).name
-        staging_dir = Path(get("staging_dir") or f"/dev/shm/{model_name}")
-        if not staging_dir.is_absolute() or ".." in staging_dir.parts:
-            raise _fail("staging_dir", str(staging_dir), "must be an absolute path without '..'")
-
-        command_text = get("server_command")
-        is_emulator = command_text == EMULATOR
-        server_argv = ([sys.executable, "-m", "dflash_regen.emulator"] if is_emulator
-                       else split_command(command_text))
-
-        num_servers = get("num_servers")
-        gpu_text = get("gpu_ids")
-        if gpu_text:
-            gpu_ids = tuple(gpu_text.split(","))
-            if len(gpu_ids) != num_servers:
-                raise _fail("gpu_ids", gpu_text, f"must list {num_servers} comma-separated GPU numbers "
-                            "(one per server), or be empty for 0..num_servers-1")
-        else:
-            gpu_ids = tuple(str(i) for i in range(num_servers))
-        base_port = get("base_port")
-        if base_port + num_servers - 1 > MAX_PORT:
-            raise _fail("base_port", base_port, f"with num_servers = {num_servers} the last server would listen on "
-                        f"port {base_port + num_servers - 1:,}, past {MAX_PORT:,}; lower base_port or num_servers")
-
-        server_flags = get("server_flags")
-        flags = _server_flags(server_flags)
-        served = get("served_model_name")
-
-        env = dict(COOKBOOK_ENV)
-        faults, profile = get("emulator_faults"), get("emulator_profile")
-        if is_emulator:
-            for value, var in ((faults, "DFLASH_EMU_FAULTS"), (profile, "DFLASH_EMU_PROFILE")):
-                if value:
-                    env[var] = json.dumps(value, sort_keys=True)
-
-        fleet = FleetConfig(
-            server_argv=tuple(server_argv),
-            is_emulator=is_emulator,
-            num_servers=num_servers,
-            gpu_ids=gpu_ids,
-            base_port=base_port,
-            host="127.0.0.1",
-            flags=tuple(flags),
-            env=tuple(sorted(env.items())),
-            served_model_name=served,
-            ready_timeout_s=get("ready_timeout_s"),
-            import_timeout_s=get("import_timeout_s"),
-            min_kv_tokens=get("min_kv_tokens"),
-            min_running_requests=get("min_running_requests"),
-            expected_prompt_tokens=get("expected_prompt_tokens"),
-            expected_output_tokens=get("expected_output_tokens"),
-            smoke_timeout_s=get("smoke_timeout_s"),
-            server_command=command_text,
-            server_flags=server_flags,
-            emulator_faults=faults,
-            emulator_profile=profile,
-        )
-        sampling = SamplingConfig(
-            max_tokens=get("max_tokens"),
-            temperature=get("temperature"),
-            top_p=get("top_p"),
-            top_k=get("top_k"),
-            min_p=get("min_p"),
-            presence_penalty=get("presence_penalty"),
-            enable_thinking=get("enable_thinking"),
-        )
-        prompt_source = get("prompt_source")
-        if prompt_source != DEMO_PROMPTS and not Path(prompt_source).is_absolute():
-            raise _fail("prompt_source", prompt_source, f"must be an absolute path or {DEMO_PROMPTS!r}")
-        budget = get("budget")
-        plan = PlanSettings(
-            shard_size=get("shard_size"),
-            sampling=sampling,
-            context_length=get("context_length"),
-            max_bad_row_share=get("max_bad_row_share"),
-            prompt_format=get("prompt_format"),
-            train_max_length=get("train_max_length"),
-            max_overlong_share=get("max_overlong_share"),
-            count_tokens=budget == "train_length",
-        )
+    def from_params(cls, params: Mapping[str, Any], run_id: str, node: str = "") -> RunConfig:
+        """Every Param checked and put in the field(s) it fills (`params.filled`), the fields derived from them,
+        and the checks that span several Params."""
+        values = filled(params)
+        own = _given(cls, values)  # RunConfig's own fields that Params fill
+        paths = _paths(own)
+        sampling = _build(SamplingConfig, values)
+        fleet = _fleet(values)
+        train_length = own["budget"] == "train_length"
+        plan = _build(PlanSettings, values, sampling=sampling, count_tokens=train_length)
         if sampling.max_tokens >= plan.context_length:
-            raise _fail("max_tokens", sampling.max_tokens, f"must be below context_length {plan.context_length:,}")
-        generation = GenerationSettings(
-            sampling=sampling,
-            seed=get("seed"),
-            concurrency_per_server=get("concurrency_per_server"),
-            stall_timeout_s=get("stall_timeout_s"),
-            request_cap_s=get("request_cap_s"),
-            request_retries=get("request_retries"),
-            generate_retries=get("generate_retries"),
-            retry_truncated=get("retry_truncated"),
-            regenerate_history=get("regenerate_history"),
-            checkpoint_every=get("checkpoint_every"),
-            checkpoint_s=get("checkpoint_s"),
-            progress_s=30.0, served_model_name=served, reasoning_parser=_flag_value(flags, "--reasoning-parser"),
-            max_generate_error_share=get("max_generate_error_share"),
-            train_budget=plan.train_max_length if budget == "train_length" else 0,
-            run=safe_run_id(run_id),
-        )
-        quality = QualitySettings.from_params(params)
-        capacity = CapacitySettings(calibration_prompts=get("calibration_prompts"),
-                                    apply_advised_concurrency=get("apply_advised_concurrency"))
-        extra = get("autotune_candidates")
+            raise _fail(SamplingConfig, "max_tokens", sampling.max_tokens,
+                        f"must be below {_param(PlanSettings, 'context_length')} {plan.context_length:,}")
+        generation = _build(GenerationSettings, values, sampling=sampling, progress_s=30.0,
+                            reasoning_parser=_flag_value(fleet.flags, "--reasoning-parser"),
+                            train_budget=plan.train_max_length if train_length else 0, run=safe_run_id(run_id))
+        extra = _given(AutotuneSettings, values)["extra"]
         for candidate in extra:
-            _server_flags(candidate, "autotune_candidates")
-        autotune = AutotuneSettings(mode=get("autotune"), candidate_s=get("autotune_candidate_s"),
-                                    budget_s=get("autotune_budget_s"),
-                                    extra=tuple(x.strip() for x in extra if x.strip()))
-        return cls(run_id=safe_run_id(run_id), output_root=output_root, model_source_dir=model_source_dir,
-                   staging_dir=staging_dir, fleet=fleet, sampling=sampling, prompt_source=prompt_source,
-                   plan=plan, generation=generation, quality=quality, capacity=capacity,
-                   mask_reasoning=get("mask_reasoning"), dataset_name=get("dataset_name"), node=node,
-                   autotune=autotune, budget=budget, reuse=get("reuse"), notify=NotifySettings.from_params(params))
+            _server_flags(candidate, _param(AutotuneSettings, "extra"))
+        autotune = _build(AutotuneSettings, values, extra=tuple(x.strip() for x in extra if x.strip()))
+        return _build(cls, values, run_id=safe_run_id(run_id), node=node, **paths, fleet=fleet, sampling=sampling,
+                      plan=plan, generation=generation, autotune=autotune, quality=_build(QualitySettings, values),
+                      capacity=_build(CapacitySettings, values), notify=_build(NotifySettings, values))
+
+
+_Config = TypeVar("_Config", bound="DataclassInstance")
+
+
+def _given(cls: type[DataclassInstance], values: Mapping[str, Any]) -> dict[str, Any]:
+    """`cls`'s fields that Params fill, from `values` (`params.filled`'s, keyed "FleetConfig.num_servers")."""
+    return {f.name: values[path] for f in fields(cls) if (path := f"{cls.__name__}.{f.name}") in values}
+
+
+def _build(cls: type[_Config], values: Mapping[str, Any], **derived: Any) -> _Config:
+    """A config dataclass: the fields Params fill and the `derived` ones, computed by the caller (a derived value
+    replaces the Param's own: gpu_ids' text becomes a tuple)."""
+    return cls(**(_given(cls, values) | derived))
+
+
+def _param(cls: type, field: str) -> str:
+    """The key of the Param that fills `cls`'s `field`, for messages that name it."""
+    return key_of(f"{cls.__name__}.{field}")
+
+
+def _fail(cls: type, field: str, value: Any, rule: str) -> ConfigError:
+    """A bad value of the Param that fills `cls`'s `field`."""
+    return invalid(_param(cls, field), value, rule)
+
+
+def _paths(own: Mapping[str, Any]) -> dict[str, Any]:
+    """The run's paths (`own`: RunConfig's fields the Params fill): output root normalised, the model and prompt
+    sources absolute (or the demo's), the staging directory absolute (its default named after the model)."""
+    model_source_dir, prompt_source = own["model_source_dir"], own["prompt_source"]
+    if model_source_dir != DEMO_MODEL and not Path(model_source_dir).is_absolute():
+        raise _fail(RunConfig, "model_source_dir", model_source_dir, f"must be an absolute path or {DEMO_MODEL!r}")
+    model_name = "dflash-demo-model" if model_source_dir == DEMO_MODEL else Path(model_source_dir).name
+    staging_dir = Path(own["staging_dir"] or f"/dev/shm/{model_name}")
+    if not staging_dir.is_absolute() or ".." in staging_dir.parts:
+        raise _fail(RunConfig, "staging_dir", str(staging_dir), "must be an absolute path without '..'")
+    if prompt_source != DEMO_PROMPTS and not Path(prompt_source).is_absolute():
+        raise _fail(RunConfig, "prompt_source", prompt_source, f"must be an absolute path or {DEMO_PROMPTS!r}")
+    return {"output_root": Path(os.path.normpath(own["output_root"])), "staging_dir": staging_dir}
+
+
+def _fleet(values: Mapping[str, Any]) -> FleetConfig:
+    """The fleet's Params with what they derive: the argv to run, one GPU id per server, the last server's port
+    in range, the cookbook flags with server_flags', the emulator's faults and profile in its environment."""
+    given = _given(FleetConfig, values)
+    command, num_servers, gpu_text, base_port = (given[f] for f in ("server_command", "num_servers", "gpu_ids",
+                                                                    "base_port"))
+    is_emulator = command == EMULATOR
+    server_argv = ([sys.executable, "-m", "dflash_regen.emulator"] if is_emulator
+                   else split_command(command, _param(FleetConfig, "server_command")))
+    servers = _param(FleetConfig, "num_servers")
+    gpu_ids = tuple(gpu_text.split(",")) if gpu_text else tuple(str(i) for i in range(num_servers))
+    if len(gpu_ids) != num_servers:
+        raise _fail(FleetConfig, "gpu_ids", gpu_text, f"must list {num_servers} comma-separated GPU numbers (one per "
+                    f"server), or be empty for 0..{servers}-1")
+    last_port = base_port + num_servers - 1
+    if last_port > MAX_PORT:
+        raise _fail(FleetConfig, "base_port", base_port, f"with {servers} = {num_servers} the last server would "
+                    f"listen on port {last_port:,}, past {MAX_PORT:,}; lower {_param(FleetConfig, 'base_port')} or "
+                    f"{servers}")
+    env = dict(COOKBOOK_ENV)
+    if is_emulator:
+        for value, var in ((given["emulator_faults"], "DFLASH_EMU_FAULTS"),
+                           (given["emulator_profile"], "DFLASH_EMU_PROFILE")):
+            if value:
+                env[var] = json.dumps(value, sort_keys=True)
+    return _build(FleetConfig, values, server_argv=tuple(server_argv), is_emulator=is_emulator, gpu_ids=gpu_ids,
+                  host="127.0.0.1", flags=tuple(_server_flags(given["server_flags"])), env=tuple(sorted(env.items())))

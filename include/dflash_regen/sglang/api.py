@@ -4,14 +4,15 @@
   written) are supported and checked in CI against SGLang's own code (`tests/contract/`). `Dialect` holds
   what differs between them: flag names, environment variables still read, log lines, metric labels,
   response fields. A newer version gets a warning and is tried; known-bad combinations are refused.
-- **Calls.** `Api` holds the session with the API key (the only place that writes `Bearer`), one retry
+- **Calls.** `Api` holds the client with the API key (the only place that writes `Bearer`), one retry
   policy (`with_retries`) and the calls: health, server info and allocation (from `internal_states[0]`
   and the startup log: top-level `/server_info` fields echo the CLI, so `max_mamba_cache_size` is null
   unless passed), metrics (summed over label sets, `sglang:` and `sglang_` names), the chat payload,
   chat (streaming and not), the 1-token liveness probe and the version.
 
-The HTTP layer under `Api` (session, payload, SSE streaming, error sorting) is `sglang/http.py`; its names are
-re-exported here, so callers ask this module only.
+The transport under `Api` (client, payload, SSE streaming, error sorting) is `sglang/http.py`, private to this
+module: what callers use of it (`ChatResult`, `chat_payload`, `reasoning_tokens`, `token_ids`, `with_retries`) is
+re-exported here, so callers ask this module only (tests/architecture/test_import_graph.py holds them to it).
 """
 
 from __future__ import annotations
@@ -23,20 +24,19 @@ import time
 from dataclasses import dataclass
 from typing import TypeVar
 
-import requests
+import httpx
 
 from dflash_regen.errors import (
     MetricsMissing,
     TransientError,
     VersionRefused,
 )
-from dflash_regen.sglang.http import (
-    ChatResult,
-    auth_headers,
-    make_session,
-    read_json,
-    stream_chat,
-)
+from dflash_regen.sglang.http import ChatResult as ChatResult
+from dflash_regen.sglang.http import auth_headers, make_client, read_json, stream_chat, timeout
+from dflash_regen.sglang.http import chat_payload as chat_payload
+from dflash_regen.sglang.http import reasoning_tokens as reasoning_tokens
+from dflash_regen.sglang.http import token_ids as token_ids
+from dflash_regen.sglang.http import with_retries as with_retries
 
 log = logging.getLogger(__name__)
 
@@ -268,17 +268,31 @@ class Allocation:
 
 
 class Api:
-    """One SGLang server's HTTP API, as the pipeline uses it."""
+    """One SGLang server's HTTP API, as the pipeline uses it: the only door to a server.
 
-    def __init__(self, url: str, api_key: str, *, session: requests.Session | None = None, timeout_s: float = 30.0):
+    It holds one connection pool of `pool_size` connections (as many as the requests its caller has in flight at
+    once); `close()` it, or use it as a context manager, when the caller is done with the server. `client`: a
+    ready client instead (tests pass one with a fake transport)."""
+
+    def __init__(self, url: str, api_key: str, *, pool_size: int = 4, client: httpx.Client | None = None,
+                 timeout_s: float = 30.0):
         self.url, self.api_key, self.timeout_s = url, api_key, timeout_s
-        self.session = session or make_session(4)
+        self.client = client or make_client(pool_size)
 
-    def _get(self, path: str, timeout_s: float | None = None, auth: bool = True) -> requests.Response:
+    def close(self) -> None:
+        self.client.close()
+
+    def __enter__(self) -> Api:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _get(self, path: str, timeout_s: float | None = None, auth: bool = True) -> httpx.Response:
         try:
-            return self.session.get(f"{self.url}{path}", timeout=timeout_s or self.timeout_s,
-                                    headers=auth_headers(self.api_key) if auth else {})
-        except requests.RequestException as exc:
+            return self.client.get(f"{self.url}{path}", timeout=timeout(timeout_s or self.timeout_s),
+                                   headers=auth_headers(self.api_key) if auth else {})
+        except httpx.HTTPError as exc:
             raise TransientError(f"{self.url}{path} did not answer within {timeout_s or self.timeout_s:.0f} s "
                                  f"({type(exc).__name__})") from exc
 
@@ -318,16 +332,18 @@ class Api:
         """A non-streaming chat completion: (response body, seconds)."""
         started = time.monotonic()
         try:
-            resp = self.session.post(f"{self.url}/v1/chat/completions", json={**payload, "stream": False},
-                                     timeout=timeout_s, headers=auth_headers(self.api_key))
-        except requests.RequestException as exc:
+            resp = self.client.post(f"{self.url}/v1/chat/completions", json={**payload, "stream": False},
+                                    timeout=timeout(timeout_s), headers=auth_headers(self.api_key))
+        except httpx.HTTPError as exc:
             raise TransientError(f"no answer from {self.url} within {timeout_s:.0f} s ({type(exc).__name__})") \
                 from exc
         return read_json(resp, f"{self.url}/v1/chat/completions"), time.monotonic() - started
 
     def stream(self, payload: dict, *, stall_s: float, cap_s: float,
                stop: threading.Event | None = None) -> ChatResult:
-        return stream_chat(self.session, self.url, self.api_key, payload, stall_s=stall_s, cap_s=cap_s, stop=stop)
+        """A streamed chat completion: `stall_s` the longest silence between two bytes, `cap_s` the whole answer's
+        limit, `stop` the caller's cancel (`Cancelled`)."""
+        return stream_chat(self.client, self.url, self.api_key, payload, stall_s=stall_s, cap_s=cap_s, stop=stop)
 
     def context_length(self) -> int:
         """The served model's context length (`/v1/models` `max_model_len`: the server's `--context-length`)."""
@@ -345,9 +361,9 @@ class Api:
         status = None
         for _ in range(2):  # one probe may meet the same transient fault as the request it checks
             try:
-                status = self.session.post(f"{self.url}/v1/chat/completions", json=probe, timeout=timeout_s,
-                                           headers=auth_headers(self.api_key)).status_code
-            except requests.RequestException:
+                status = self.client.post(f"{self.url}/v1/chat/completions", json=probe, timeout=timeout(timeout_s),
+                                          headers=auth_headers(self.api_key)).status_code
+            except httpx.HTTPError:
                 continue
             if status == 200:
                 break

@@ -1,28 +1,31 @@
-"""The HTTP layer under `sglang.api.Api`: the session, the chat payload, SSE streaming and how errors are sorted.
+"""The transport under `sglang.api.Api`: the client, the chat payload, SSE streaming and how errors are sorted.
 
-Callers go through `dflash_regen.sglang`, which re-exports what they use; this module is apart only to keep
-each file to one concept (what SGLang versions say, vs how one request travels).
+Private to `sglang/api.py`, which re-exports what callers use (tests/architecture/test_import_graph.py keeps
+every other module from importing this one); it is apart only to keep each file to one concept (what SGLang
+versions say, vs how one request travels).
 
 Streaming: thinking answers can run to 32K tokens (~20 minutes), so a total timeout is the wrong guard:
-the response is streamed (SSE) and *silence* is the failure — `requests`' read timeout applies to each
-socket read, so it fires when no byte arrived for `stall_s` — with a generous overall cap on top. Errors
-are sorted here: `TransientError` (connection reset, 5xx, stall, an error event mid-stream) is worth
+the response is streamed (SSE) and *silence* is the failure — httpx's read timeout applies to each socket
+read, so `httpx.ReadTimeout` means no byte arrived for `stall_s` — with a generous overall cap on top. Errors
+are sorted here: `TransientError` (connection refused or reset, 5xx, stall, an error event mid-stream) is worth
 retrying; `PromptError` (4xx) is the prompt's fault and goes to quarantine with the server's message;
 `AuthError` (401/403) is the configuration's fault (the API key) and fails at once.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
+import random
+import ssl
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-import requests
-from requests.adapters import HTTPAdapter
+import httpx
 
 from dflash_regen.errors import (
     AuthError,
@@ -34,9 +37,10 @@ from dflash_regen.errors import (
 
 log = logging.getLogger("dflash_regen.sglang")  # the name operators' log filters know
 T = TypeVar("T")
+CONNECT_TIMEOUT_S = 10.0
 
 
-def _auth_error(base_url: str, resp: requests.Response) -> AuthError:
+def _auth_error(base_url: str, resp: httpx.Response) -> AuthError:
     return AuthError(f"{base_url} refused the API key with HTTP {resp.status_code} ({_error_message(resp)}): the key "
                      "sent is not the server's --api-key. Relaunch the fleet (clear launch_fleet) so servers and "
                      "clients share one key, or set the secret DFLASH_SGLANG_API_KEY to the key the servers were "
@@ -77,12 +81,15 @@ def auth_headers(api_key: str) -> dict[str, str]:
 
 def with_retries(call: Callable[[], T], attempts: int, *, delay_s: float = 1.0, max_delay_s: float = 30.0,
                  on_failure: Callable[[TransientError, int], None] | None = None, name: str = "",
-                 level: int = logging.INFO) -> T:
+                 level: int = logging.INFO, rng: random.Random | None = None,
+                 sleep: Callable[[float], None] = time.sleep) -> T:
     """The one retry policy (the smoke gate, calibration and every sample's request): a `TransientError` is
-    retried, `attempts` tries in all, with delays doubling from `delay_s` up to `max_delay_s`; anything else
-    propagates (a `PromptError` is the prompt's fault; sending it again cannot help). `on_failure(error, attempt)`
-    sees each transient failure first and may raise instead (a server found dead ends the retries); the last
-    failure is raised. `name` and `level`: how a retry is logged."""
+    retried, `attempts` tries in all; anything else propagates (a `PromptError` is the prompt's fault; sending it
+    again cannot help). Before retry n (1, 2, ...) it waits `backoff_s(n, ...)`: full jitter on a backoff doubling
+    from `delay_s` up to `max_delay_s`, so the workers that met one server's fault at once do not retry in step.
+    `on_failure(error, attempt)` sees each transient failure first and may raise instead (a server found dead ends
+    the retries); the last failure is raised. `name` and `level`: how a retry is logged; `rng` and `sleep`: the
+    random source and the wait (tests pass their own)."""
     for attempt in range(1, attempts + 1):
         try:
             return call()
@@ -91,11 +98,17 @@ def with_retries(call: Callable[[], T], attempts: int, *, delay_s: float = 1.0, 
                 on_failure(exc, attempt)
             if attempt == attempts:
                 raise
-            log.log(level, "%sattempt %d of %d failed (%s); retrying in %.0f s", f"{name}: " if name else "",
-                    attempt, attempts, exc, delay_s)
-            time.sleep(delay_s)
-            delay_s = min(delay_s * 2, max_delay_s)
+            wait_s = backoff_s(attempt, delay_s, max_delay_s, rng)
+            log.log(level, "%sattempt %d of %d failed (%s); retrying in %.1f s", f"{name}: " if name else "",
+                    attempt, attempts, exc, wait_s)
+            sleep(wait_s)
     raise AssertionError("attempts must be >= 1")
+
+
+def backoff_s(retry: int, delay_s: float, max_delay_s: float, rng: random.Random | None = None) -> float:
+    """The wait before retry `retry` (1, 2, ...): uniform in [0, min(max_delay_s, delay_s * 2**(retry - 1))]
+    ("full jitter"), never longer than the plain doubling backoff."""
+    return (rng or random).uniform(0.0, min(max_delay_s, delay_s * 2 ** (retry - 1)))
 
 
 # Sent when set on the settings object (None = the server's default).
@@ -117,12 +130,22 @@ def chat_payload(messages: list[dict], tools: list[dict] | None, sampling, *, mo
     return {**payload, **(extra or {})}  # e.g. the version's token-id fields (`Dialect.token_ids_request`)
 
 
-def make_session(pool_size: int) -> requests.Session:
-    """One session per task; its pool must be as large as the in-flight count, or requests queue silently."""
-    session = requests.Session()
-    adapter = HTTPAdapter(pool_connections=1, pool_maxsize=pool_size, pool_block=True, max_retries=0)
-    session.mount("http://", adapter)
-    return session
+def make_client(pool_size: int) -> httpx.Client:
+    """One client per server and task: its pool must be as large as the in-flight count, or requests queue
+    silently (a request waits for a free connection without limit, as the timeouts below leave `pool` unset)."""
+    return httpx.Client(limits=httpx.Limits(max_connections=pool_size, max_keepalive_connections=pool_size),
+                        verify=_tls_context())
+
+
+@functools.cache
+def _tls_context() -> ssl.SSLContext:
+    """One per process: building it is most of what a new client costs (the `Api` of a 1-token probe included)."""
+    return ssl.create_default_context()
+
+
+def timeout(total_s: float) -> httpx.Timeout:
+    """A plain call's timeout: `total_s` to connect and for each read and write; no limit on waiting for the pool."""
+    return httpx.Timeout(total_s, pool=None)
 
 
 def _error_text(body) -> str:
@@ -135,11 +158,14 @@ def _error_text(body) -> str:
     return str(body)[:300]
 
 
-def _error_message(resp: requests.Response) -> str:
+def _error_message(resp: httpx.Response) -> str:
     try:
+        resp.read()  # a streamed answer's body is read only when asked for
         return _error_text(resp.json())
     except ValueError:
         return resp.text[:300]
+    except httpx.HTTPError as exc:
+        return f"(its body could not be read: {type(exc).__name__}: {exc})"
 
 
 def _merge_tool_call(calls: list[dict], delta: dict) -> None:
@@ -210,28 +236,24 @@ class _Assembly:
         return self.result
 
 
-def stream_chat(session: requests.Session, base_url: str, api_key: str, payload: dict, *, stall_s: float,
+def stream_chat(client: httpx.Client, base_url: str, api_key: str, payload: dict, *, stall_s: float,
                 cap_s: float, stop: threading.Event | None = None) -> ChatResult:
     body = {**payload, "stream": True, "stream_options": {"include_usage": True}}
     started = time.monotonic()
     answer = _Assembly(started)
+    # `read`: the longest silence between two bytes of the answer (the stall); the overall cap is `_checked`'s.
+    limits = httpx.Timeout(connect=CONNECT_TIMEOUT_S, read=stall_s, write=stall_s, pool=None)
+    request = client.build_request("POST", f"{base_url}/v1/chat/completions", json=body, timeout=limits,
+                                   headers=auth_headers(api_key))
     try:
-        resp = session.post(f"{base_url}/v1/chat/completions", json=body, stream=True, timeout=(10, stall_s),
-                            headers=auth_headers(api_key))
-    except requests.RequestException as exc:
+        resp = client.send(request, stream=True)
+    except httpx.HTTPError as exc:  # refused, reset, or no answer's headers within `stall_s`
         raise TransientError(f"{type(exc).__name__} connecting to {base_url}: {exc}") from exc
-    with resp:
-        if resp.status_code == 429:
-            raise TransientError(f"HTTP {resp.status_code} from {base_url}: {_error_message(resp)}")
-        if resp.status_code >= 500:
-            raise ServerError(resp.status_code, _error_message(resp), base_url)
-        if resp.status_code in (401, 403):
-            raise _auth_error(base_url, resp)
-        if resp.status_code >= 400:
-            raise PromptError(resp.status_code, _error_message(resp))
+    try:
+        _check_status(resp, base_url)
         done = False
         try:
-            for data in sse_data(_checked(resp.iter_content(chunk_size=None), started, cap_s, stop)):
+            for data in sse_data(_checked(resp.iter_bytes(), started, cap_s, stop)):
                 # Read on past `[DONE]` to the body's end: only a fully read response goes back to the pool.
                 if done or data == b"[DONE]":
                     done = True
@@ -240,15 +262,28 @@ def stream_chat(session: requests.Session, base_url: str, api_key: str, payload:
                 if "error" in chunk:
                     raise TransientError(f"server aborted the stream: {_error_text(chunk)}")
                 answer.add(chunk)
-        except requests.exceptions.ConnectionError as exc:  # includes read timeouts while streaming
-            kind = "stalled" if "timed out" in str(exc).lower() else "connection lost"
-            raise TransientError(f"stream {kind} after {time.monotonic() - started:.0f} s "
+        except httpx.ReadTimeout as exc:
+            raise TransientError(f"stream stalled after {time.monotonic() - started:.0f} s "
                                  f"(no data for {stall_s:.0f} s?): {exc}") from exc
-        except (requests.RequestException, json.JSONDecodeError) as exc:
+        except (httpx.HTTPError, httpx.StreamError, json.JSONDecodeError) as exc:
             raise TransientError(f"broken stream from {base_url}: {type(exc).__name__}: {exc}") from exc
+    finally:
+        resp.close()
     if answer.result.finish_reason is None:
         raise TransientError("stream ended without a finish_reason")
     return answer.finish()
+
+
+def _check_status(resp: httpx.Response, base_url: str) -> None:
+    """Sort a streamed answer's error status: 429 and 5xx are transient, 401/403 the key's, other 4xx the prompt's."""
+    if resp.status_code == 429:
+        raise TransientError(f"HTTP {resp.status_code} from {base_url}: {_error_message(resp)}")
+    if resp.status_code >= 500:
+        raise ServerError(resp.status_code, _error_message(resp), base_url)
+    if resp.status_code in (401, 403):
+        raise _auth_error(base_url, resp)
+    if resp.status_code >= 400:
+        raise PromptError(resp.status_code, _error_message(resp))
 
 
 def _checked(chunks: Iterable[bytes], started: float, cap_s: float, stop: threading.Event | None
@@ -269,7 +304,7 @@ def reasoning_tokens(usage: dict) -> int:
     return int((usage.get("completion_tokens_details") or {}).get("reasoning_tokens") or 0)
 
 
-def read_json(resp: requests.Response, what: str) -> dict:
+def read_json(resp: httpx.Response, what: str) -> dict:
     if resp.status_code >= 500 or resp.status_code == 429:
         raise TransientError(f"{what} answered HTTP {resp.status_code}: {_error_message(resp)}")
     if resp.status_code in (401, 403):

@@ -148,3 +148,11 @@ def test_quality_settings_live_in_config_and_quality_uses_them():
     assert quality.QualitySettings is QualitySettings
     cfg = RunConfig.from_params(params(empty_mask_tokens=9, max_repetition_score=0.25), "r")
     assert (cfg.quality.empty_mask_tokens, cfg.quality.max_repetition_score) == (9, 0.25)
+
+
+def test_max_tokens_must_leave_room_for_a_prompt_in_the_context_length():
+    """The one check of this rule (planning relies on it: prompts get context_length - max_tokens)."""
+    assert RunConfig.from_params(params(max_tokens=4095, context_length=4096), "r").plan.context_length == 4096
+    with pytest.raises(ConfigError) as info:
+        RunConfig.from_params(params(max_tokens=4096, context_length=4096), "r")
+    assert str(info.value) == "Param 'max_tokens' = 4096 is invalid: must be below context_length 4,096"

@@ -5,8 +5,15 @@ from conftest import free_port_block
 
 from dflash_regen.errors import VersionRefused
 from dflash_regen.settings.run_config import COOKBOOK_ENV, COOKBOOK_FLAGS, merge_flags
-from dflash_regen.sglang.api import NEWEST_CHECKED, OLDEST, RECOMMENDED, Dialect, parse_metrics, parse_startup_log
-from dflash_regen.sglang.http import reasoning_tokens
+from dflash_regen.sglang.api import (
+    NEWEST_CHECKED,
+    OLDEST,
+    RECOMMENDED,
+    Dialect,
+    parse_metrics,
+    parse_startup_log,
+    reasoning_tokens,
+)
 
 COOKBOOK = merge_flags(COOKBOOK_FLAGS, [])
 
