@@ -2,14 +2,16 @@
 # SGLang's venv locks: sglang-V.lock in deploy/sglang-locks/, every package of `sglang[all]==V` pinned for the GPU
 # node (Linux x86_64, glibc >= GLIBC, Python PYTHON), from the index uv is configured with and wheels only.
 # scripts/build-sglang-venv.sh installs one of them (uv pip sync) and reads its header (glibc, python).
-#   scripts/lock-sglang-venv.sh [VERSION ...]          refresh (make sglang-locks): the packages on the index now
-#                                                      (EXCLUDE_NEWER=2026-12-01T00:00:00Z picks another cut-off;
-#                                                      without it, a lock whose pins did not change is kept)
+#   scripts/lock-sglang-venv.sh [VERSION ...]          refresh (make sglang-locks): the packages on the index a
+#                                                      day ago (EXCLUDE_NEWER=2026-12-01T00:00:00Z picks another
+#                                                      cut-off; without it, a lock whose pins did not change is kept)
 #   scripts/lock-sglang-venv.sh --check [VERSION ...]  resolve each lock again with its own header's inputs
 #                                                      (cut-off included) and exit 1 if any pin differs
 # No VERSION: every lock there. A new VERSION writes a new lock; commit it with the docs' list
 # (docs/sglang-versions.md). The cut-off date is what makes a lock reproducible: the resolver given the same
-# requirement, platform, Python and date gives the same pins however many releases came since.
+# requirement, platform, Python and date gives the same pins however many releases came since. It defaults to a
+# day ago, not now: a file uploaded minutes before "now" may not be listed by the index yet, and a lock cut at
+# "now" then misses a version that every later check sees (cython 3.3.2, uploaded just before 0.5.23's first lock).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 LOCKS="${SGLANG_LOCKS_DIR:-$ROOT/deploy/sglang-locks}"  # SGLANG_LOCKS_DIR: the tests check a copy
@@ -67,7 +69,7 @@ for version in "${versions[@]}"; do
   if [ "$check" -eq 0 ]; then
     mkdir -p "$LOCKS"
     tmp="$(mktemp "$LOCKS/.sglang-$version.XXXXXX")"
-    lock "$version" "$GLIBC" "$PYTHON" "${EXCLUDE_NEWER:-$(date -u +%Y-%m-%dT%H:%M:%SZ)}" "$tmp"
+    lock "$version" "$GLIBC" "$PYTHON" "${EXCLUDE_NEWER:-$(date -u -d "1 day ago" +%Y-%m-%dT%H:%M:%SZ)}" "$tmp"
     if [ -z "${EXCLUDE_NEWER:-}" ] && [ -f "$file" ] && [ "$(field glibc "$file")" = "$GLIBC" ] \
        && [ "$(field python "$file")" = "$PYTHON" ] && [ "$(pins "$file")" = "$(pins "$tmp")" ]; then
       rm -f "$tmp"; echo "kept $file: the same pins today"; continue  # no new date without a new pin
