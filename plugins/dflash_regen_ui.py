@@ -6,171 +6,64 @@ cookie or a Bearer token): anonymous requests get 401. Runs are read from the ou
 named, among the roots the api-server serves (env DFLASH_OUTPUT_ROOT, the form's default, and DFLASH_SERVED_ROOTS);
 a run naming any other root is refused, so a conf cannot open arbitrary paths to the UI.
 
-Run and task states come from Airflow's metadata DB, read-only, through the api-server's own session: the run
-folder cannot tell a run the operator marked failed, a task killed before it wrote anything, or Airflow's run
-id and dates; the DB can, at the cost of two small indexed queries per page view. A failed task's first error
-line comes from its log, read once through Airflow's own log reader (local file or the worker's log server) and
-kept: the run folder records it only for the tasks that write a report or a shard status.
+Run and task states come from Airflow's public REST API (`dflash_regen.ui.airflow_api`), asked over HTTP at the
+api-server's own address with a read-only token this process mints through Airflow's auth manager (a VIEWER of
+the simple auth manager the deployment runs): the metrics scrape has no Airflow login to forward, and the pages
+show every run of the DAG to anyone logged in, as before. No Airflow model, session or private name is used
+(tests/architecture/test_airflow_interface.py holds that), so an upgrade that moves Airflow's internals leaves
+the pages working; tests/contract/test_airflow_contract.py runs them against Airflow 3.3 and the newest 3.4.
 
 The pipeline's progress in Prometheus' format (`dflash_regen.ui.metrics`) is a second app at /dflash-metrics: it
 answers only the bearer token DFLASH_METRICS_TOKEN, as Prometheus cannot keep an Airflow login.
 """
 
-import json
-import logging
-from datetime import datetime
-from typing import Any
-from urllib.parse import quote
+import time
+from urllib.parse import quote, urlsplit
 
+import httpx
+from airflow.api_fastapi.app import get_auth_manager
 from airflow.api_fastapi.auth.managers.models.resource_details import DagAccessEntity
 from airflow.api_fastapi.core_api.security import get_user, requires_access_dag
-from airflow.models.dagrun import DagRun
-from airflow.models.log import Log
-from airflow.models.taskinstance import TaskInstance
-from airflow.models.taskinstancehistory import TaskInstanceHistory
+from airflow.configuration import conf
 from airflow.plugins_manager import AirflowPlugin
-from airflow.utils.log.log_reader import TaskLogReader
-from airflow.utils.session import create_session
-from sqlalchemy import func, select
-from sqlalchemy.orm import joinedload
 
 from dflash_regen.settings.deployment import deployment
+from dflash_regen.ui.airflow_api import AirflowApi
 from dflash_regen.ui.app import build_app
 from dflash_regen.ui.metrics import URL_PREFIX as METRICS_PREFIX
 from dflash_regen.ui.metrics import build_metrics_app
-from dflash_regen.ui.runs import first_failed
 
-log = logging.getLogger(__name__)
 PREFIX = "/dflash"
 DAG_ID = "dflash_regen"
-RUNS_LISTED = 200
-LINES_PER_VIEW = 20  # failed tasks whose log a page view may read (each once: a finished try's log does not change)
+READER = {"sub": "dflash-regen-ui", "role": "VIEWER"}  # the token's claims: read-only, for the simple auth manager
+TOKEN_S = 600  # a minted token's lifetime; a new one is minted a minute before it ends
 
 
-def _ts(value: datetime | None) -> float | None:
-    return value.timestamp() if value else None
-
-
-def _run(row) -> dict:
-    """A run as the pages take it; `output_root` is the root its conf named (None: the deployment's default)."""
-    return {"run_id": row[0], "state": row[1], "start": _ts(row[2]), "end": _ts(row[3]), "run_after": _ts(row[4]),
-            "output_root": (row[5] or {}).get("output_root")}
-
-
-def _earliest(*stamps: float | None) -> float | None:
-    return min((t for t in stamps if t is not None), default=None)
-
-
-def _stopped(row) -> dict | None:
-    """Who marked the run failed and when, from Airflow's audit log (the UI's "Mark run as failed" and the REST
-    API's PATCH of the run both log a patch_dag_run event); None if the last change of its state was not that."""
-    if row is None:
-        return None
-    try:
-        state = json.loads(row[3] or "{}").get("state")
-    except ValueError:
-        return None
-    return {"by": row[0] or row[1], "at": _ts(row[2])} if state == "failed" else None
-
-
-def _error_line(messages) -> str:
-    """The first line of the exception a task's log records (Airflow's error_detail), else of the line
-    `tasks.log_reason` ends a failed task's log with ("<task> failed: <first line>")."""
-    reason = ""
-    for message in messages:
-        entry = message if isinstance(message, dict) else message.model_dump()
-        for error in entry.get("error_detail") or []:
-            value = (str(error.get("exc_value") or "").strip().splitlines() or [""])[0]
-            kind = str(error.get("exc_type") or "")
-            # fail_fast re-raises the library's error as AirflowFailException("<Type>: <message>")
-            return value if kind.startswith("Airflow") or not value else f"{kind}: {value}"
-        event = str(entry.get("event") or "")
-        if " failed: " in event and entry.get("level") == "error":
-            reason = event.split(" failed: ", 1)[1]
-    return reason
-
-
-class AirflowRuns:
-    """The DAG's runs and task instances as plain dicts (what `ui/app.py` expects of `airflow`)."""
-
-    dag_id = DAG_ID
+class ReaderToken(httpx.Auth):
+    """A Bearer token for READER, minted by this api-server's auth manager when the last one nears its end."""
 
     def __init__(self):
-        self._lines: dict[tuple, str] = {}  # (run_id, task_id, map_index, try) -> a failed try's first error line
+        self._token, self._until = "", 0.0
 
-    def error_line(self, session, run_id: str, task: dict, budget: list[int]) -> str:
-        """A failed task's first error line from its log ('' if none or past this view's `budget`)."""
-        key = (run_id, task["task_id"], task["map_index"], task["try_number"])
-        if key in self._lines or budget[0] <= 0:
-            return self._lines.get(key, "")
-        budget[0] -= 1
-        try:
-            ti = session.scalar(select(TaskInstance).where(
-                TaskInstance.dag_id == DAG_ID, TaskInstance.run_id == run_id, TaskInstance.task_id == key[1],
-                TaskInstance.map_index == key[2], TaskInstance.try_number == key[3])
-                .options(joinedload(TaskInstance.dag_run)))
-            metadata: Any = {"download_logs": True}  # the whole log, as the REST API's full_content reads it
-            line = _error_line(TaskLogReader().read_log_chunks(ti, key[3], metadata)[0]) if ti else ""
-        except Exception as exc:  # noqa: BLE001 - a log that cannot be read must not break the page
-            log.warning("no first error line for %s: %s: %s", key, type(exc).__name__, exc)
-            return ""
-        if line:  # kept once found; a log still being written is read again next time
-            if len(self._lines) > 5000:
-                self._lines.clear()
-            self._lines[key] = line
-        return line
+    def auth_flow(self, request):
+        if time.time() > self._until:
+            manager = get_auth_manager()
+            self._token = manager.generate_jwt(manager.deserialize_user(READER), expiration_time_in_seconds=TOKEN_S)
+            self._until = time.time() + TOKEN_S - 60
+        request.headers["Authorization"] = f"Bearer {self._token}"
+        yield request
 
-    def runs(self) -> list[dict]:
-        with create_session() as session:
-            rows = session.execute(select(DagRun.run_id, DagRun._state, DagRun.start_date, DagRun.end_date,
-                                          DagRun.run_after, DagRun.conf).where(DagRun.dag_id == DAG_ID)
-                                   .order_by(DagRun.run_after.desc()).limit(RUNS_LISTED)).all()
-            first: dict[str, datetime] = {}  # per run, its first try's start: a clear resets the run's own start date
-            for model in (TaskInstance, TaskInstanceHistory):
-                for run_id, start in session.execute(select(model.run_id, func.min(model.start_date))
-                                                     .where(model.dag_id == DAG_ID).group_by(model.run_id)):
-                    if start is not None:
-                        first[run_id] = min(start, first.get(run_id, start))
-            failed: dict[str, list[dict]] = {}
-            for t in session.execute(select(TaskInstance.run_id, TaskInstance.task_id, TaskInstance.map_index,
-                                            TaskInstance.try_number).where(TaskInstance.dag_id == DAG_ID,
-                                                                           TaskInstance.state == "failed")):
-                failed.setdefault(t[0], []).append({"task_id": t[1], "map_index": t[2], "try_number": t[3]})
-            runs, budget = [], [LINES_PER_VIEW]
-            for run in map(_run, rows):
-                where = first_failed(failed.get(run["run_id"], []))  # where it stopped, with its first line
-                runs.append({**run, "start": _earliest(run["start"], _ts(first.get(run["run_id"]))),
-                             "failed_at": where and where["task"],
-                             "error": where and self.error_line(session, run["run_id"], where, budget)})
-        return runs
 
-    def run(self, run_id: str) -> dict | None:
-        with create_session() as session:
-            run = session.execute(select(DagRun.run_id, DagRun._state, DagRun.start_date, DagRun.end_date,
-                                         DagRun.run_after, DagRun.conf)
-                                  .where(DagRun.dag_id == DAG_ID, DagRun.run_id == run_id)).first()
-            if run is None:
-                return None
-            tis = session.execute(select(TaskInstance.task_id, TaskInstance.map_index, TaskInstance.state,
-                                         TaskInstance.try_number, TaskInstance.start_date, TaskInstance.end_date)
-                                  .where(TaskInstance.dag_id == DAG_ID, TaskInstance.run_id == run_id)).all()
-            stop = session.execute(select(Log.owner_display_name, Log.owner, Log.dttm, Log.extra)
-                                   .where(Log.dag_id == DAG_ID, Log.run_id == run_id, Log.event == "patch_dag_run")
-                                   .order_by(Log.dttm.desc()).limit(1)).first()
-            # A clear resets the run's start date; its first try's start is in the task instance history.
-            first_try = session.execute(select(func.min(TaskInstanceHistory.start_date))
-                                        .where(TaskInstanceHistory.dag_id == DAG_ID,
-                                               TaskInstanceHistory.run_id == run_id)).scalar()
-            tasks: list[dict] = [{"task_id": t[0], "map_index": t[1], "state": t[2], "try_number": t[3],
-                                  "start": _ts(t[4]), "end": _ts(t[5])} for t in tis]
-            budget = [LINES_PER_VIEW]
-            for t in tasks:
-                # a shard's status file holds its error: its (long) generate log is not read for it
-                if t["state"] == "failed" and not t["task_id"].endswith("generate"):
-                    t["error"] = self.error_line(session, run_id, t, budget)
-        found = _run(run)
-        start = _earliest(found["start"], _ts(first_try), *(t["start"] for t in tasks))
-        return {**found, "start": start, "stopped": _stopped(stop), "tasks": tasks}
+def api_url() -> str:
+    """This api-server's own address: loopback unless it listens on one host only, and base_url's path."""
+    host = conf.get("api", "host", fallback="") or "127.0.0.1"
+    host = "127.0.0.1" if host in ("0.0.0.0", "::") else host  # noqa: S104 - a wildcard is reached on loopback
+    path = urlsplit(conf.get("api", "base_url", fallback="") or "").path.rstrip("/")
+    return f"http://{host}:{conf.getint('api', 'port', fallback=8080)}{path}"
+
+
+# One reader for the pages and the metrics: they share its cache of task instances and error lines.
+AIRFLOW = AirflowApi(httpx.Client(base_url=api_url(), auth=ReaderToken(), timeout=30.0), DAG_ID)
 
 
 def _icon(path: str) -> str:
@@ -190,11 +83,11 @@ class DflashRegenUI(AirflowPlugin):
     name = "dflash_regen_ui"
     # Draining a run changes it: the user needs Airflow's permission to edit this DAG's runs.
     may_drain = requires_access_dag("PUT", DagAccessEntity.RUN, param_dag_id=DAG_ID)
-    fastapi_apps = [{"app": build_app(deployment().report_roots(), get_user, AirflowRuns(), may_drain),
+    fastapi_apps = [{"app": build_app(deployment().report_roots(), get_user, AIRFLOW, may_drain),
                      "url_prefix": PREFIX,
                      "name": "dflash-regen reports"},
                     # its own app: Prometheus sends DFLASH_METRICS_TOKEN, not an Airflow login (ui/metrics.py)
-                    {"app": build_metrics_app(deployment().report_roots(), deployment().metrics_token, AirflowRuns()),
+                    {"app": build_metrics_app(deployment().report_roots(), deployment().metrics_token, AIRFLOW),
                      "url_prefix": METRICS_PREFIX, "name": "dflash-regen metrics"}]
     # With url_route the UI shows the page inside Airflow (an iframe); {RUN_ID} is filled in on run pages.
     external_views = [

@@ -187,11 +187,14 @@ def test_prometheus_returns_the_pipelines_and_the_fleets_series(monitored):
     prometheus, run = monitored.prometheus, f'run_id="{RUN_ID}"'
     done = sum(r["completed"] + r["quarantined"] for r in monitored.generated)
     assert done == 28
-    # the first scrape after generate wrote its status: the series then hold what the run folder says
-    _wait("prompts done", lambda: value(prometheus, f"dflash_regen_prompts_done{{{run}}}") == done)
+    def shards() -> dict[str, float]:
+        return {r["metric"]["state"]: float(r["value"][1]) for r in query(prometheus, f"dflash_regen_shards{{{run}}}")}
+
+    # the first scrape after both shards wrote their last status: the series then hold what the run folder says
+    # (a scrape between a shard's last answer and its status "done" counts its prompts with the shard running)
+    _wait("prompts and shards done", lambda: value(prometheus, f"dflash_regen_prompts_done{{{run}}}") == done
+          and shards() == {"done": 2, "waiting": 1})
     assert value(prometheus, f"dflash_regen_prompts_planned{{{run}}}") == monitored.plan["accepted"] == 40
-    shards = {r["metric"]["state"]: float(r["value"][1]) for r in query(prometheus, f"dflash_regen_shards{{{run}}}")}
-    assert shards == {"done": 2, "waiting": 1}
     quarantined = {r["metric"]["reason"]: float(r["value"][1])
                    for r in query(prometheus, f'dflash_regen_quarantined{{{run},stage="plan"}}')}
     assert quarantined == monitored.plan["quarantined_by_reason"] and quarantined["duplicate_id"] == 1
