@@ -204,6 +204,8 @@ class AirflowApi:
         return runs
 
     def run(self, run_id: str) -> dict | None:
+        if run_id in (".", ".."):  # a dot segment would be resolved away by the URL: another resource's path
+            return None
         response = self._get(self._run_path(run_id))
         if response.status_code == 404:
             return None

@@ -75,7 +75,9 @@ def test_a_run_is_read_whole_once_then_only_what_airflow_changed_since():
 
 
 def test_an_unknown_run_is_none_and_a_logs_first_error_line_is_found():
-    assert reader(FakeAirflow(shards=1)).run("manual__nope") is None
+    fake = FakeAirflow(shards=1)
+    assert reader(fake).run("manual__nope") is None
+    assert reader(fake).run("..") is None and reader(fake).run(".") is None  # not the DAG's own path
     log = [{"event": "starting"}, {"event": "generate failed: shard 3 stopped", "level": "error"}]
     assert error_line(log) == "shard 3 stopped"
     detail = [{"event": "Task failed", "error_detail": [{"exc_type": "DiskFull", "exc_value": "out of space\nmore"}]}]
