@@ -3,25 +3,22 @@ a side venv holding `specforge==0.2.0`, a CPU torch and SpecForge's transformers
 ours. Shared by the contract test (fixtures: tests/contract/test_specforge_contract.py) and the demo run
 (tests/e2e/test_dag_run.py).
 
-The side venv is built once under ~/.cache/dflash-regen/ and reused (CI keeps that cache): under a file lock in a
-temporary directory, then renamed into place, so parallel test workers neither race nor see half a venv. Its name
-carries a hash of `tests/contract/specforge-requirements.txt`: a changed pin builds a new one. pip, not uv: the CPU
+The side venv is built once under ~/.cache/dflash-regen/ (tests/side_venv.py); its name carries a hash of
+`tests/contract/specforge-requirements.txt`. pip, not uv: the CPU
 torch wheel lies on this machine's disk where pip's configuration finds it. `python tests/specforge_check.py`
 builds it ahead of the tests (its cost cold and warm: docs/testing.md).
 """
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
-import shutil
 import subprocess
-import tempfile
 from pathlib import Path
 
 import pyarrow.parquet as pq
 from contract.wheels import _python_with_pip
+from side_venv import built_once
 
 CONTRACT = Path(__file__).with_name("contract")
 JUDGE = CONTRACT / "specforge_judge.py"
@@ -29,24 +26,12 @@ PATHS = ("parser", "online", "offline")
 
 SPECFORGE = "specforge==0.2.0"
 REQUIREMENTS = CONTRACT / "specforge-requirements.txt"
-CACHE = Path.home() / ".cache" / "dflash-regen"
 
 
 def specforge_python() -> Path:
     """The side venv's interpreter, the venv built first if this requirements file has none yet."""
     digest = hashlib.sha256((SPECFORGE + REQUIREMENTS.read_text()).encode()).hexdigest()[:10]
-    root = CACHE / f"specforge-venv-{digest}"
-    CACHE.mkdir(parents=True, exist_ok=True)
-    with open(CACHE / ".specforge-venv.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not (root / "bin" / "python").is_file():
-            tmp = Path(tempfile.mkdtemp(prefix=".specforge-venv-", dir=CACHE))
-            try:
-                _build(tmp)
-                tmp.rename(root)
-            except BaseException:
-                shutil.rmtree(tmp, ignore_errors=True)
-                raise
+    root = built_once(f"specforge-venv-{digest}", _build)
     return root / "bin" / "python"
 
 

@@ -7,12 +7,11 @@ failed), then the pages are read over HTTP: the runs list, a run's tab and the m
 record (states, where a run stopped, who stopped it) and, reading with GET requests only, add no audit-log row.
 What 3.4 changed for the project: docs/testing.md ("Airflow versions").
 
-The side venv is built once under ~/.cache/dflash-regen/ (its name carries the requirements' hash) and reused.
+The side venv is built once under ~/.cache/dflash-regen/ (tests/side_venv.py) and reused.
 """
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 import os
@@ -22,44 +21,34 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from urllib.parse import quote
 
 import pytest
 import requests
+from side_venv import built_once
 
 from dflash_regen.settings.run_config import safe_run_id
 
 ROOT = Path(__file__).resolve().parents[2]
 REQUIREMENTS = Path(__file__).with_name("airflow-3.4-requirements.txt")
-CACHE = Path.home() / ".cache" / "dflash-regen"
 DAG_ID = "dflash_regen"
 METRICS_TOKEN = "contract-metrics-token"
 
 
 def side_venv() -> Path:
-    """The 3.4 side venv's bin/ (built first under a file lock, then renamed into place, if missing)."""
+    """The 3.4 side venv's bin/ (built first if missing)."""
+    def build(folder: Path) -> None:
+        uv = shutil.which("uv") or "uv"
+        # relocatable: its scripts (bin/airflow) still run once the folder is renamed into place
+        subprocess.run([uv, "venv", "--quiet", "--relocatable", "--python", sys.base_prefix + "/bin/python3",
+                        str(folder)], check=True, timeout=300)
+        subprocess.run([uv, "pip", "sync", "--quiet", "--compile-bytecode", str(REQUIREMENTS)], check=True,
+                       timeout=1800, env={**os.environ, "VIRTUAL_ENV": str(folder)})
+
     digest = hashlib.sha256(REQUIREMENTS.read_bytes()).hexdigest()[:10]
-    root = CACHE / f"airflow-3.4-venv-{digest}"
-    CACHE.mkdir(parents=True, exist_ok=True)
-    with open(CACHE / ".airflow-venv.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not (root / "bin" / "airflow").is_file():
-            tmp = Path(tempfile.mkdtemp(prefix=".airflow-3.4-venv-", dir=CACHE))
-            try:
-                uv = shutil.which("uv") or "uv"
-                # relocatable: its scripts (bin/airflow) still run once the folder is renamed into place
-                subprocess.run([uv, "venv", "--quiet", "--relocatable", "--python", sys.base_prefix + "/bin/python3",
-                                str(tmp)], check=True, timeout=300)
-                subprocess.run([uv, "pip", "sync", "--quiet", "--compile-bytecode", str(REQUIREMENTS)], check=True,
-                               timeout=1800, env={**os.environ, "VIRTUAL_ENV": str(tmp)})
-                tmp.rename(root)
-            except BaseException:
-                shutil.rmtree(tmp, ignore_errors=True)
-                raise
-    return root / "bin"
+    return built_once(f"airflow-3.4-venv-{digest}", build, ready="bin/airflow") / "bin"
 
 
 def _free_port() -> int:
