@@ -186,6 +186,7 @@ def test_5_after_down_and_up_history_and_output_survive_and_a_second_run_reuses_
 def slow_run(stack):
     """A run slow enough to watch its fleet and kill its worker in the middle of a shard (~20 s each)."""
     run_id = "rehearsal__monitored"
+    stack.wait_dag()  # parsed (it is, after check 5; not when a cut run skips or fails it)
     stack.compose("--profile", "monitoring", "up", "-d", "prometheus", timeout=900)
     stack.wait_healthy(("prometheus",), timeout_s=300)
     stack.trigger(run_id, {**CONF, "reuse": "off", "emulator_profile": {**PROFILE, "decode_tokens_per_s": 40}})
