@@ -24,7 +24,7 @@ from dflash_regen import notifiers, publish, quality
 from dflash_regen.capacity import autotune, health, report
 from dflash_regen.demo.model import model_source
 from dflash_regen.demo.prompts import prompt_source
-from dflash_regen.errors import NotRetryable, Skipped
+from dflash_regen.errors import ConfigError, NotRetryable, Skipped
 from dflash_regen.fleet import runlock, servers, smoke, staging
 from dflash_regen.generate import run_plan, skip
 from dflash_regen.generate.shard import run_shard
@@ -47,6 +47,7 @@ from dflash_regen.payloads import (
     Verdict,
 )
 from dflash_regen.settings import nodes
+from dflash_regen.settings.deployment import deployment
 from dflash_regen.settings.run_config import RunConfig
 from dflash_regen.training import tokenize
 
@@ -67,12 +68,21 @@ def fail_fast(fn: Callable[P, R]) -> Callable[P, R]:
         except NotRetryable as exc:
             # One exception in the library error's place (its traceback, its cause): the task log's error then
             # opens with the library's message instead of repeating it under a second traceback.
-            raise AirflowFailException(f"{type(exc).__name__}: {exc}").with_traceback(exc.__traceback__) \
-                from exc.__cause__
+            raise AirflowFailException(_on_host(f"{type(exc).__name__}: {exc}")).with_traceback(
+                exc.__traceback__) from exc.__cause__
         except Skipped as exc:  # not a failure (a drain, a run the store completes), nothing to retry
             raise AirflowSkipException(str(exc)) from exc
 
     return wrapper
+
+
+def _on_host(message: str) -> str:
+    """The error as the operator on the host reads it: the host's path beside the container's (a container
+    mounts the output root from the host folder DFLASH_OUTPUT_ROOT_ON_HOST names)."""
+    try:
+        return deployment().on_host(message)
+    except ConfigError:  # a bad variable is told where the DAG is parsed; never hide the task's own error
+        return message
 
 
 def log_reason(context) -> None:

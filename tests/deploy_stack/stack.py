@@ -99,18 +99,18 @@ class Stack:
         self._token: str | None = None
 
     # ------------------------------------------------------------------------------------------ compose
-    def args(self, env_file: Path | None = None) -> list[str]:
+    def args(self, env_file: Path | None = None, compose_file: Path | None = None) -> list[str]:
         return ["--project-directory", str(ROOT), "--env-file", str(env_file or self.env_file), "-p", PROJECT,
-                "-f", str(self.compose_file), "-f", str(OVERRIDE)]
+                "-f", str(compose_file or self.compose_file), "-f", str(OVERRIDE)]
 
-    def compose(self, *args: str, env_file: Path | None = None, check: bool = True, timeout: float = 900,
-                ) -> subprocess.CompletedProcess:
+    def compose(self, *args: str, env_file: Path | None = None, compose_file: Path | None = None, check: bool = True,
+                timeout: float = 900) -> subprocess.CompletedProcess:
         # Only the daemon and the stand-ins' tags from this process: every variable of the file comes from .env.
         env = {"PATH": os.environ["PATH"], "HOME": os.environ.get("HOME", "/root"),
                "DOCKER_HOST": os.environ["DOCKER_HOST"], "COMPOSE_INTERACTIVE_NO_CLI": "1",
                **{k: v for k, v in os.environ.items() if k.startswith("DFLASH_REHEARSAL_") and k.endswith("_IMAGE")}}
-        done = subprocess.run(["docker-compose", *self.args(env_file), *args], capture_output=True, text=True,
-                              env=env, timeout=timeout, check=False)
+        done = subprocess.run(["docker-compose", *self.args(env_file, compose_file), *args], capture_output=True,
+                              text=True, env=env, timeout=timeout, check=False)
         if check:
             assert done.returncode == 0, \
                 f"docker-compose {' '.join(args)}: exit {done.returncode}\n{done.stderr[-4000:]}"

@@ -10,6 +10,7 @@ import json
 import os
 import re
 import stat
+import subprocess
 import time
 from pathlib import Path
 
@@ -159,6 +160,62 @@ def test_8_a_data_dir_the_airflow_user_cannot_write_fails_the_first_task_naming_
     line = next(line for line in log.splitlines() if "not writable" in line)
     assert CONTAINER_ROOT in line and f"uid {AIRFLOW_UID}" in line, line
     assert "stage_weights" not in failed or states["stage_weights"] != "success", states
+
+
+# ------------------------------------------------------------------------------------------ node faults (issue 35)
+def test_f8_a_gpu_worker_with_dockers_own_dev_shm_fails_staging_before_copying_naming_the_size_and_the_volume(stack):
+    """The fault: the GPU worker without the host's RAM disk (its `- /dev/shm:/dev/shm` volume lost), so Docker's
+    own 64 MB /dev/shm; the model and the servers' margin need more."""
+    text = stack.compose_file.read_text()
+    mount = "      - /dev/shm:/dev/shm\n"
+    at = text.index(mount, text.index("\n  airflow-gpu-worker:\n"))
+    variant = stack.work / "docker-compose.own-shm.yaml"
+    variant.write_text(text[:at] + text[at + len(mount):])
+    run_id = "rehearsal__own_shm"
+    try:
+        stack.compose("up", "-d", "--no-deps", "airflow-gpu-worker", compose_file=variant)
+        stack.wait_healthy(("airflow-gpu-worker",))
+        shm = stack.exec("airflow-gpu-worker", "df", "--output=size", "-B1M", "/dev/shm").stdout.split()[-1]
+        assert shm == "64", f"/dev/shm is {shm} MB: not Docker's own"
+        states = run_to_the_end(stack, run_id, {"reuse": "off"}, timeout_s=600)
+        staged = stack.exec("airflow-gpu-worker", "find", "/dev/shm", "-type", "f").stdout.split()
+    finally:
+        stack.compose("up", "-d", "--no-deps", "airflow-gpu-worker")
+        stack.wait_healthy(("airflow-gpu-worker",))
+    assert states["stage_weights"] == "failed" and stack.run_state(run_id) == "failed", states
+    assert not staged, staged  # failed before copying
+    ti = next(ti for ti in stack.task_instances(run_id) if ti["task_id"] == "stage_weights")
+    line = next(line for line in stack.task_log(run_id, "stage_weights", ti["try_number"]).splitlines()
+                if "not enough free space" in line)
+    assert re.search(r"need [\d.]+ MB .* only [\d.]+ MB free", line) and "`- /dev/shm:/dev/shm`" in line \
+        and "shm_size" in line, line
+
+
+def test_f9_a_full_data_volume_fails_the_task_naming_the_host_path(stack):
+    """The fault: the disk under the output root full (a 64 KB tmpfs on the host, under the data dir the workers
+    mount). The first line names the folder as the host sees it, beside the container's path."""
+    full = stack.data / "full"
+    full.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size=64k,uid={AIRFLOW_UID},gid=0,mode=0755", "tmpfs", str(full)],
+                   check=True)
+    run_id = "rehearsal__full_disk"
+    try:
+        # A container's bind mount holds the host's submounts made before it started.
+        docker("restart", stack.container("airflow-gpu-worker"))
+        stack.wait_healthy(("airflow-gpu-worker",))
+        run_to_the_end(stack, run_id, {"output_root": f"{CONTAINER_ROOT}/full"}, timeout_s=600)
+    finally:
+        subprocess.run(["umount", "-l", str(full)], check=False)
+        docker("restart", stack.container("airflow-gpu-worker"))
+        stack.wait_healthy(("airflow-gpu-worker",))
+        full.rmdir()
+    assert stack.run_state(run_id) == "failed"
+    failed = [ti for ti in stack.task_instances(run_id) if ti["state"] == "failed" and ti["try_number"]]
+    assert failed, stack.task_states(run_id)
+    first = failed[0]
+    lines = stack.task_log(run_id, first["task_id"], first["try_number"], first["map_index"]).splitlines()
+    line = next((line for line in lines if "DiskFull" in line), "\n".join(lines[-15:]))
+    assert f"{CONTAINER_ROOT}/full" in line and f"(on the host: {full}" in line, (first["task_id"], line)
 
 
 # ------------------------------------------------------------------------------------------ 5: down and up

@@ -171,3 +171,23 @@ def test_a_planned_shard_tokenize_did_not_return_fails_the_gate_before_it_reads(
     with pytest.raises(GateFailed, match=r"^shards \[1, 3\] of the run's 4 were not tokenized \(their tokenize "
                                          r"tasks skipped\), nothing will be published"):
         quality.gate_run(cfg, shards(4), tokenized)
+
+
+def test_a_failed_tasks_first_line_names_the_host_path_of_the_output_root(monkeypatch):
+    """In a container the output root is mounted from a host folder (docker-compose.yaml): the operator reads
+    the error there."""
+    from dflash_regen.errors import DiskFull
+
+    @tasks.fail_fast
+    def body():
+        raise DiskFull("no space left on the disk of /data/dflash-regen/runs/r1 writing plan.json: it needs 1 MB")
+
+    monkeypatch.setenv("DFLASH_OUTPUT_ROOT", "/data/dflash-regen")
+    monkeypatch.setenv("DFLASH_OUTPUT_ROOT_ON_HOST", "/srv/data")
+    with pytest.raises(AirflowFailException) as info:
+        body()
+    assert str(info.value).startswith("DiskFull: no space left on the disk of /data/dflash-regen/runs/r1 "
+                                      "(on the host: /srv/data/runs/r1) writing plan.json")
+    monkeypatch.delenv("DFLASH_OUTPUT_ROOT_ON_HOST")
+    with pytest.raises(AirflowFailException, match=r"runs/r1 writing"):
+        body()

@@ -29,6 +29,8 @@ PARTIAL = ".partial"
 CHUNK = 16 * 1024 * 1024
 # Leave room on the RAM disk for the servers' own scratch files; staging to 100% full would break them.
 FREE_MARGIN_BYTES = 256 * 1024 * 1024
+# Docker makes this file in every container (where /dev/shm is its own 64 MB unless the host's is mounted).
+CONTAINER_MARKER = Path("/.dockerenv")
 
 
 def human_bytes(n: float) -> str:
@@ -87,6 +89,16 @@ def list_source(source: Path) -> dict[str, int]:
         if path.is_file() and not path.name.endswith(PARTIAL) and path.name != MARKER:
             files[path.relative_to(source).as_posix()] = path.stat().st_size
     return files
+
+
+def _space_hint(dest: Path, needed: int) -> str:
+    """How to make room. In a container /dev/shm is Docker's own 64 MB unless the host's RAM disk is mounted
+    there, which is what docker-compose.yaml does for the GPU workers."""
+    if CONTAINER_MARKER.exists() and Path("/dev/shm") in (dest, *dest.parents):
+        return ("This container's /dev/shm is not the node's RAM disk: keep docker-compose.yaml's "
+                "`- /dev/shm:/dev/shm` volume on the GPU worker (or give the service a `shm_size` above "
+                f"{human_bytes(needed + FREE_MARGIN_BYTES)}), or set Param staging_dir to a larger local disk.")
+    return "Free space there (e.g. remove old staged models) or set Param staging_dir to a larger local disk."
 
 
 def _already_staged(dest: Path, rel: str, size: int, digest: str | None) -> bool:
@@ -159,8 +171,7 @@ def stage(source: Path, dest: Path, *, progress_every_s: float = 5.0) -> StageRe
     if needed + FREE_MARGIN_BYTES > free:
         raise StagingError(
             f"not enough free space in {dest}: need {human_bytes(needed)} (+{human_bytes(FREE_MARGIN_BYTES)} "
-            f"margin) for {len(todo)} files, only {human_bytes(free)} free. Free space there (e.g. remove old "
-            "staged models) or set Param staging_dir to a larger local disk.")
+            f"margin) for {len(todo)} files, only {human_bytes(free)} free. {_space_hint(dest, needed)}")
     log.info("staging %d of %d files (%s) from %s to %s; %d already staged",
              len(todo), len(files), human_bytes(needed), source, dest, len(files) - len(todo))
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -46,6 +47,9 @@ class Deployment:
                                a run whose conf names another root is refused, so a conf cannot open any path
       DFLASH_METRICS_TOKEN     the bearer token Prometheus sends for the pipeline's /metrics ('' = not exported;
                                ui/metrics.py)
+    Read where a task fails (tasks.py, fail_fast):
+      DFLASH_OUTPUT_ROOT_ON_HOST  the host folder mounted at DFLASH_OUTPUT_ROOT ('' = not in a container): an
+                               error naming a path under the root names the host's path beside it
     """
 
     model_source_dir: str = DEMO_MODEL
@@ -62,6 +66,23 @@ class Deployment:
     nodes: str = ""  # parsed by settings/nodes.py parse_nodes, which owns the format
     served_roots: str = ""
     metrics_token: str = field(default="", repr=False)  # a secret: never in a log line
+    output_root_on_host: str = ""
+
+    def on_host(self, message: str) -> str:
+        """`message` with the host's path beside the first path under the output root it names: the operator
+        reads the error on the host, where the root is mounted from another folder."""
+        root = self.output_root.rstrip("/")
+        if not self.output_root_on_host or not root:
+            return message
+        for found in re.finditer(re.escape(root) + r"(/[^\s'\",:;()]*)?", message):
+            path = found[0].rstrip(".")  # a sentence's full stop is not part of the path
+            if found.end() < len(message) and len(path) == len(root) and message[found.end()] not in " '\",:;().":
+                continue  # another folder whose name starts like the root's
+            host = self.output_root_on_host.rstrip("/") + path[len(root):]
+            end = found.start() + len(path)
+            end += message[end:end + 1] in ("'", '"')  # after a closing quote
+            return f"{message[:end]} (on the host: {host}){message[end:]}"
+        return message
 
     def report_roots(self) -> list[Path]:
         """The output roots the report pages may read: the default one first, then DFLASH_SERVED_ROOTS."""
@@ -88,7 +109,8 @@ _ENV = {"model_source_dir": "DFLASH_MODEL_SOURCE", "staging_dir": "DFLASH_STAGIN
         "emulator_profile": "DFLASH_EMULATOR_PROFILE", "shard_size": "DFLASH_SHARD_SIZE",
         "parallel_shards": "DFLASH_PARALLEL_SHARDS",
         "generate_retries": "DFLASH_GENERATE_RETRIES", "worker_queue": "DFLASH_WORKER_QUEUE", "nodes": NODES_ENV,
-        "served_roots": "DFLASH_SERVED_ROOTS", "metrics_token": "DFLASH_METRICS_TOKEN"}
+        "served_roots": "DFLASH_SERVED_ROOTS", "metrics_token": "DFLASH_METRICS_TOKEN",
+        "output_root_on_host": "DFLASH_OUTPUT_ROOT_ON_HOST"}
 
 
 # The generate task's retries in the DAG: Airflow fixes them when it parses the DAG, so the DAG asks for the most

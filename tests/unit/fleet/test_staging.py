@@ -1,6 +1,7 @@
 import hashlib
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 
@@ -73,6 +74,27 @@ def test_not_enough_space_fails_before_copying_with_needed_and_free(source, tmp_
     msg = str(info.value)
     assert "need 3.15 MB" in msg and "only 104.86 MB free" in msg and "staging_dir" in msg
     assert not any(p.is_file() for p in dest.iterdir())
+
+
+def test_a_containers_own_small_dev_shm_names_the_compose_volume_that_mounts_the_nodes(source, tmp_path,
+                                                                                       monkeypatch):
+    """Docker gives a container 64 MB of /dev/shm unless the host's is mounted: the first line says which."""
+    marker = tmp_path / ".dockerenv"
+    monkeypatch.setattr(staging, "CONTAINER_MARKER", marker)
+    monkeypatch.setattr(staging.shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(2**26, 0, 2**26))
+    dest = Path("/dev/shm") / f"dflash-test-{tmp_path.name}"
+    try:
+        for in_container in (False, True):
+            if in_container:
+                marker.write_text("")
+            with pytest.raises(StagingError) as info:
+                staging.stage(source, dest)
+            first = str(info.value).splitlines()[0]
+            assert "need 3.15 MB" in first and "only 67.11 MB free" in first, first
+            assert ("`- /dev/shm:/dev/shm`" in first and "shm_size" in first) == in_container, first
+        assert not any(p.is_file() for p in dest.iterdir())
+    finally:
+        shutil.rmtree(dest, ignore_errors=True)
 
 
 def test_source_without_config_is_rejected_clearly(tmp_path):
