@@ -72,7 +72,7 @@ class Deployment:
         """`message` with the host's path beside the first path under the output root it names: the operator
         reads the error on the host, where the root is mounted from another folder."""
         root = self.output_root.rstrip("/")
-        if not self.output_root_on_host or not root:
+        if not root or self.output_root_on_host.rstrip("/") in ("", root):  # not in a container, or the same path
             return message
         for found in re.finditer(re.escape(root) + r"(/[^\s'\",:;()]*)?", message):
             path = found[0].rstrip(".")  # a sentence's full stop is not part of the path

@@ -71,3 +71,4 @@ def test_a_deployment_may_size_the_shards_for_its_prompts():
 def test_an_error_names_the_host_path_beside_the_containers(message, told):
     assert deployment(ENV).on_host(message) == told
     assert Deployment(output_root="/data/out").on_host(message) == message  # not in a container: as it was
+    assert Deployment(output_root="/data/out", output_root_on_host="/data/out/").on_host(message) == message
