@@ -218,6 +218,64 @@ def test_f9_a_full_data_volume_fails_the_task_naming_the_host_path(stack):
     assert f"{CONTAINER_ROOT}/full" in line and f"(on the host: {full}" in line, (first["task_id"], line)
 
 
+SLOW = {"reuse": "off", "generate_retries": 2, "emulator_profile": {**PROFILE, "decode_tokens_per_s": 40}}
+
+
+def chat_requests(stack: Stack, run_id: str) -> int:
+    return sum(p.read_text().count(CHAT) for p in run_layout(stack, run_id).fleet.dir.glob("server-*.log"))
+
+
+def assert_whole_once(stack: Stack, run_id: str) -> None:
+    assert stack.run_state(run_id) == "success", stack.failures(run_id)
+    ids = published_ids(stack, run_id)
+    assert len(ids) == len(set(ids)) == PROMPTS and set(ids) == planned_ids(stack, run_id)
+
+
+def test_f4_the_scheduler_and_dag_processor_killed_mid_shard_and_started_again_the_run_goes_on(stack):
+    """The fault: both containers killed while a shard generates. The Celery worker's tasks talk to the api-server,
+    not to the scheduler, so they go on; the scheduler started again takes the run up where it was."""
+    from dflash_regen.fleet import smoke
+
+    run_id = "rehearsal__scheduler_killed"
+    stack.trigger(run_id, {**CONF, **SLOW})
+    shard_of_the_kill(stack, run_id)
+    for service in ("airflow-scheduler", "airflow-dag-processor"):
+        docker("kill", stack.container(service))
+    stack.compose("start", "airflow-scheduler", "airflow-dag-processor")
+    stack.wait_healthy(("airflow-scheduler", "airflow-dag-processor"))
+    stack.wait_settled(run_id)
+    assert_whole_once(stack, run_id)
+    tries = {ti["task_id"]: ti["try_number"] for ti in stack.task_instances(run_id)}
+    servers = len(run_layout(stack, run_id).fleet.server_specs())
+    # Nothing ran twice: one try per task, each prompt sent once (beside the smoke test's).
+    assert set(tries.values()) == {1} and chat_requests(stack, run_id) - len(smoke.PROMPTS) * servers == PROMPTS, \
+        (tries, chat_requests(stack, run_id))
+
+
+def test_f1_the_api_server_restarted_mid_shard_the_run_finishes_from_its_checkpoints(stack):
+    """The fault: the api-server (also the Execution API the running tasks heartbeat to) restarted while a shard
+    generates. A task that rides it out goes on; one that fails is retried by Airflow (generate_retries) and sends
+    only what it had not checkpointed."""
+    run_id = "rehearsal__apiserver_restarted"
+    stack.trigger(run_id, {**CONF, **SLOW})
+    shard_of_the_kill(stack, run_id)
+    docker("restart", stack.container("airflow-apiserver"))
+    stack.wait_healthy(("airflow-apiserver",))
+    stack._token = None  # its JWT secret is the same, but log in as a user's script would
+    stack.wait_settled(run_id)
+    assert_whole_once(stack, run_id)
+    from dflash_regen.fleet import smoke
+
+    tis = stack.task_instances(run_id)
+    launches = next(ti["try_number"] for ti in tis if ti["task_id"] == "launch_fleet")
+    retried = sum(ti["try_number"] - 1 for ti in tis if ti["task_id"] == "generate")
+    servers = len(run_layout(stack, run_id).fleet.server_specs())
+    resent = chat_requests(stack, run_id) - len(smoke.PROMPTS) * servers * launches - PROMPTS
+    # A retried shard re-sends at most what was in flight or not yet checkpointed when its try ended.
+    in_flight = CONF["min_running_requests"] + CONF["checkpoint_every"]
+    assert 0 <= resent <= in_flight * retried, (resent, retried, stack.task_states(run_id))
+
+
 # ------------------------------------------------------------------------------------------ 5: down and up
 def test_5_after_down_and_up_history_and_output_survive_and_a_second_run_reuses_every_completion(stack):
     stack.compose("down", timeout=600)  # keeps the volumes: the Postgres DB, the logs, the password file
