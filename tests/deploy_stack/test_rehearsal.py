@@ -308,13 +308,17 @@ def slow_run(stack):
     return run_id
 
 
+def prometheus_api(stack: Stack, path: str) -> dict:
+    done = stack.exec("prometheus", "wget", "-q", "-O", "-", f"http://127.0.0.1:9090/api/v1/{path}")
+    body = json.loads(done.stdout)
+    assert body["status"] == "success", body
+    return body["data"]
+
+
 def prometheus_query(stack: Stack, query: str) -> list[dict]:
     from urllib.parse import quote
 
-    done = stack.exec("prometheus", "wget", "-q", "-O", "-", f"http://127.0.0.1:9090/api/v1/query?query={quote(query)}")
-    body = json.loads(done.stdout)
-    assert body["status"] == "success", body
-    return body["data"]["result"]
+    return prometheus_api(stack, f"query?query={quote(query)}")["result"]
 
 
 def test_6_prometheus_in_the_workers_netns_scrapes_every_server_and_the_pipeline_with_the_token(stack, slow_run):
@@ -323,6 +327,9 @@ def test_6_prometheus_in_the_workers_netns_scrapes_every_server_and_the_pipeline
         up = {(r["metric"]["job"], r["metric"]["instance"]): r["value"][1] for r in prometheus_query(stack, "up")}
         if len(up) == 8 and set(up.values()) == {"1"}:
             break
+        targets = prometheus_api(stack, "targets")["activeTargets"]
+        refused = [t["scrapeUrl"] + ": " + t["lastError"] for t in targets if re.search(r"\b40[13]\b", t["lastError"])]
+        assert not refused, f"a scrape is refused (no retry will pass): {refused}"
         assert time.monotonic() < deadline, f"targets not all up: {up}\n{stack.task_states(slow_run)}"
         time.sleep(3)
     assert {job for job, _ in up} == {"sglang", "dflash-regen"}
