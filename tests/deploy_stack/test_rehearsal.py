@@ -212,9 +212,9 @@ def test_f9_a_full_data_volume_fails_the_task_naming_the_host_path(stack):
     assert stack.run_state(run_id) == "failed"
     failed = [ti for ti in stack.task_instances(run_id) if ti["state"] == "failed" and ti["try_number"]]
     assert failed, stack.task_states(run_id)
-    first = failed[0]
+    first = min(failed, key=lambda ti: ti["end_date"])  # the task that met the full disk; the rest followed it
     lines = stack.task_log(run_id, first["task_id"], first["try_number"], first["map_index"]).splitlines()
-    line = next((line for line in lines if "DiskFull" in line), "\n".join(lines[-15:]))
+    line = next((line for line in lines if f"{first['task_id']} failed: " in line), "\n".join(lines[-15:]))
     assert f"{CONTAINER_ROOT}/full" in line and f"(on the host: {full}" in line, (first["task_id"], line)
 
 
