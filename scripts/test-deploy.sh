@@ -9,7 +9,7 @@
 #     (debootstrap), stand-ins for the postgres, redis, prometheus and Airflow images the compose file names
 #     (tests/deploy_stack/images/), then deploy/Dockerfile itself FROM the Airflow stand-in (its build argument);
 #   - runs the checks, tests/deploy_stack/ (docs/testing.md, "The deployment rehearsal"). Extra args go to pytest.
-# Not part of `make test` or CI: a warm run costs ~28 minutes on a 2-core machine (docs/testing.md).
+# Not part of `make test` or CI: ~28 minutes on a 2-core machine, cold or warm (docs/testing.md).
 set -euo pipefail
 source "$(dirname "$0")/env.sh"
 started=$(date +%s)
