@@ -35,6 +35,7 @@ from stack import (
 
 from dflash_regen.demo.model import write_demo_model
 from dflash_regen.demo.prompts import write_demo_prompts
+from dflash_regen.fleet import smoke
 from dflash_regen.layout import COMPLETIONS, RunLayout
 from dflash_regen.settings.run_config import safe_run_id
 
@@ -239,8 +240,6 @@ def assert_whole_once(stack: Stack, run_id: str) -> None:
 def test_f4_the_scheduler_and_dag_processor_killed_mid_shard_and_started_again_the_run_goes_on(stack):
     """The fault: both containers killed while a shard generates. The Celery worker's tasks talk to the api-server,
     not to the scheduler, so they go on; the scheduler started again takes the run up where it was."""
-    from dflash_regen.fleet import smoke
-
     run_id = "rehearsal__scheduler_killed"
     stack.trigger(run_id, {**CONF, **SLOW})
     shard_of_the_kill(stack, run_id)
@@ -270,8 +269,6 @@ def test_f1_the_api_server_restarted_mid_shard_the_run_finishes_from_its_checkpo
     stack._token = None  # its JWT secret is the same, but log in as a user's script would
     stack.wait_settled(run_id)
     assert_whole_once(stack, run_id)
-    from dflash_regen.fleet import smoke
-
     tis = stack.task_instances(run_id)
     launches = next(ti["try_number"] for ti in tis if ti["task_id"] == "launch_fleet")
     retried = sum(ti["try_number"] - 1 for ti in tis if ti["task_id"] == "generate")
@@ -397,8 +394,6 @@ def test_4_the_gpu_worker_killed_mid_shard_restarted_and_a_rest_clear_finishes_i
     ids = published_ids(stack, run_id)
     assert len(ids) == len(set(ids)) == PROMPTS and set(ids) == planned_ids(stack, run_id)  # nothing lost or doubled
     # The relaunched fleet sent the cleared shards' missing prompts only, each once, and kept every answer.
-    from dflash_regen.fleet import smoke
-
     sent = sum(p.read_text()[logs.get(p.name, 0):].count(CHAT) for p in layout.fleet.dir.glob("server-*.log"))
     servers = len(layout.fleet.server_specs())
     missing = sum(CONF["shard_size"] - kept_before[s] for s in failed)
