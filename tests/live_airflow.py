@@ -183,20 +183,28 @@ class LiveAirflow:
             assert r.ok, f"{method} {path}: HTTP {r.status_code} {r.text[:500]}"
         return r
 
-    def delete_run(self, run_id: str, timeout_s: float = 60) -> None:
-        """DELETE a finished run. On SQLite a busy scheduler can hold the write lock past the api-server's wait, and
-        the DELETE answers 500 "Database error" with nothing deleted: asked again until it answers."""
+    def api_until_written(self, method: str, path: str, timeout_s: float = 60, **kwargs) -> requests.Response:
+        """A write through the REST API. On SQLite a busy scheduler can hold the write lock past the api-server's
+        wait, and the write answers 500 "Database error" with nothing written: asked again until it answers."""
         deadline = time.monotonic() + timeout_s
         while True:
-            r = self.api("DELETE", f"/api/v2/dags/{DAG_ID}/dagRuns/{run_id}", check=False)
+            r = self.api(method, path, check=False, **kwargs)
             if r.ok or r.status_code != 500 or time.monotonic() > deadline:
-                assert r.ok, f"DELETE run {run_id}: HTTP {r.status_code} {r.text[:500]}"
-                return
+                assert r.ok, f"{method} {path}: HTTP {r.status_code} {r.text[:500]}"
+                return r
             time.sleep(1)
+
+    def delete_run(self, run_id: str) -> None:
+        self.api_until_written("DELETE", f"/api/v2/dags/{DAG_ID}/dagRuns/{run_id}")
 
     def trigger(self, run_id: str, conf: dict) -> dict:
         return self.api("POST", f"/api/v2/dags/{DAG_ID}/dagRuns",
                         json={"dag_run_id": run_id, "logical_date": None, "conf": conf}).json()
+
+    def pause(self, paused: bool) -> None:
+        """Pause or unpause the DAG: the scheduler starts no queued run of a paused DAG and examines none of its
+        running ones, so a run triggered meanwhile stays queued for as long as a test needs to look at it."""
+        self.api_until_written("PATCH", f"/api/v2/dags/{DAG_ID}", json={"is_paused": paused})
 
     def run_state(self, run_id: str) -> str:
         return self.api("GET", f"/api/v2/dags/{DAG_ID}/dagRuns/{run_id}").json()["state"]

@@ -405,6 +405,9 @@ def test_queued_and_early_failed_runs_a_second_root_a_refused_root_and_a_drain_f
     af.trigger(early, {"model_source_dir": str(af.home.parent / "no-model-here"), "reuse": "off",
                        "notify_apprise_urls": receivers.params()["notify_apprise_urls"]})
     af.wait_run(early, states={"running", "failed"})
+    # The runs triggered next stay queued until the DAG is unpaused below. Behind max_active_runs alone they would
+    # start as soon as the early run failed, which on a quiet box can be before their tabs are opened.
+    af.pause(True)
     # Two shards of 60 on two servers; no calibration or tuning (fewer requests and minutes); slow emulated decoding
     # and few requests in flight, so the run is still generating when the user drains it.
     af.trigger(drained, {"output_root": str(af.second_root), "num_servers": 2, "shard_size": 60,
@@ -430,6 +433,7 @@ def test_queued_and_early_failed_runs_a_second_root_a_refused_root_and_a_drain_f
         r = af.api("GET", f"/dflash/runs/{outside}/{path}", check=False)
         assert r.status_code == 403 and "DFLASH_SERVED_ROOTS" in r.text, (path, r.status_code, r.text[:300])
     af.delete_run(outside)
+    af.pause(False)
 
     # The early run failed at stage_weights: its first line in the list and both tabs.
     af.wait_settled(early, timeout_s=300)
