@@ -27,14 +27,17 @@ def is_disk_full(exc: BaseException) -> bool:
                                          "No space left on device" in str(exc) or "Disk quota exceeded" in str(exc))
 
 
-def disk_full(path: Path, needed: int) -> DiskFull:
-    """The error for `path` (a file, or the folder being filled) needing about `needed` bytes."""
+def disk_full(path: Path, needed: int | None = None) -> DiskFull:
+    """The error for `path` (a file, or the folder being filled) needing about `needed` bytes (None: not known, a
+    write outside this module met the full disk)."""
     folder = path if path.is_dir() else path.parent
+    while not folder.exists() and folder != folder.parent:  # a folder the failed write was about to fill
+        folder = folder.parent
     free = shutil.disk_usage(folder).free
-    return DiskFull(f"no space left on the disk of {folder} writing {path.name}: it needs about "
-                    f"{needed / 1e6:,.2f} MB, {free / 1e6:,.2f} MB are free. Free space there (or set Param "
-                    "output_root to a larger disk), then clear the task: it resumes from what is on disk, nothing "
-                    "half-written was kept")
+    needs = "" if needed is None else f"it needs about {needed / 1e6:,.2f} MB, "
+    return DiskFull(f"no space left on the disk of {folder} writing {path.name}: {needs}{free / 1e6:,.2f} MB are "
+                    "free. Free space there (or set Param output_root to a larger disk), then clear the task: it "
+                    "resumes from what is on disk, nothing half-written was kept")
 
 
 @contextmanager

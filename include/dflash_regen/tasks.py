@@ -20,7 +20,7 @@ from airflow.sdk.configuration import conf
 from airflow.sdk.definitions.retry_policy import RetryDecision, RetryPolicy
 from airflow.sdk.exceptions import AirflowFailException, AirflowSkipException
 
-from dflash_regen import notifiers, publish, quality
+from dflash_regen import atomic, notifiers, publish, quality
 from dflash_regen.capacity import autotune, health, report
 from dflash_regen.demo.model import model_source
 from dflash_regen.demo.prompts import prompt_source
@@ -72,8 +72,20 @@ def fail_fast(fn: Callable[P, R]) -> Callable[P, R]:
                 exc.__traceback__) from exc.__cause__
         except Skipped as exc:  # not a failure (a drain, a run the store completes), nothing to retry
             raise AirflowSkipException(str(exc)) from exc
+        except OSError as exc:
+            if not atomic.is_disk_full(exc):
+                raise
+            # A write outside atomic.py (a server's log, the fleet's records) met the full disk: named as one of
+            # atomic.py's is, not as a bare "[Errno 28]" a retry would meet again.
+            full = atomic.disk_full(_written(exc, *args, **kwargs))
+            raise AirflowFailException(_on_host(f"DiskFull: {full}")) from exc
 
     return wrapper
+
+
+def _written(exc: OSError, params: dict, *_args, **_kwargs) -> Path:
+    """The file the failed write named, else the output root the task writes under."""
+    return Path(exc.filename if exc.filename else params.get("output_root") or deployment().output_root)
 
 
 def _on_host(message: str) -> str:

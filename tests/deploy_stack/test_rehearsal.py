@@ -194,8 +194,6 @@ def test_f8_a_gpu_worker_with_dockers_own_dev_shm_fails_staging_before_copying_n
 
 
 @pytest.mark.node_faults
-@pytest.mark.xfail(strict=True, reason="known defect: launch_fleet meets a full disk with a bare OSError "
-                   "('[Errno 28] No space left on device'), not DiskFull naming the path")
 def test_f9_a_full_data_volume_fails_the_task_naming_the_host_path(stack):
     """The fault: the disk under the output root full (a 64 KB tmpfs on the host, under the data dir the workers
     mount). The first line names the folder as the host sees it, beside the container's path."""

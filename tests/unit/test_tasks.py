@@ -191,3 +191,31 @@ def test_a_failed_tasks_first_line_names_the_host_path_of_the_output_root(monkey
     monkeypatch.delenv("DFLASH_OUTPUT_ROOT_ON_HOST")
     with pytest.raises(AirflowFailException, match=r"runs/r1 writing"):
         body()
+
+
+def test_a_full_disk_met_outside_atomic_writes_fails_the_task_naming_where_not_a_bare_errno(tmp_path):
+    """A server's log or the fleet's records are written outside atomic.py: their ENOSPC is named all the same
+    (the rehearsal's full data volume met it in launch_fleet)."""
+    import errno
+
+    root = tmp_path / "out"
+    log_file = root / "runs" / "r1" / "fleet" / "server-0.log"
+
+    @tasks.fail_fast
+    def body(params: dict, run_id: str, filename: str | None = None):
+        raise OSError(errno.ENOSPC, "No space left on device", filename)
+
+    with pytest.raises(AirflowFailException) as info:
+        body({"output_root": str(root)}, "r1")
+    assert str(info.value).startswith(f"DiskFull: no space left on the disk of {tmp_path} writing out: "), info.value
+    with pytest.raises(AirflowFailException) as info:
+        body({"output_root": str(root)}, "r1", filename=str(log_file))
+    assert str(info.value).startswith(f"DiskFull: no space left on the disk of {tmp_path} writing server-0.log: ")
+    assert "MB are free" in str(info.value) and "clear the task" in str(info.value)
+
+    @tasks.fail_fast
+    def refused(params: dict, run_id: str):
+        raise PermissionError(errno.EACCES, "Permission denied", str(log_file))
+
+    with pytest.raises(PermissionError):  # not a full disk: Airflow's own retry and traceback, unchanged
+        refused({"output_root": str(root)}, "r1")
