@@ -23,6 +23,7 @@ from stack import (
     DAG_ID,
     LONG_RUNNING,
     MODEL_NAME,
+    PROJECT,
     SECRETS,
     Stack,
     docker,
@@ -234,6 +235,16 @@ def assert_whole_once(stack: Stack, run_id: str) -> None:
     assert len(ids) == len(set(ids)) == PROMPTS and set(ids) == planned_ids(stack, run_id)
 
 
+def assert_nothing_ran_twice(stack: Stack, run_id: str) -> None:
+    """The run published every prompt once, each task had one try, and each prompt was sent once (beside the
+    smoke test's): no task lost, none run again, nothing re-sent."""
+    assert_whole_once(stack, run_id)
+    tries = {ti["task_id"] + f"[{ti['map_index']}]": ti["try_number"] for ti in stack.task_instances(run_id)}
+    servers = len(run_layout(stack, run_id).fleet.server_specs())
+    assert set(tries.values()) == {1} and chat_requests(stack, run_id) - len(smoke.PROMPTS) * servers == PROMPTS, \
+        (tries, chat_requests(stack, run_id))
+
+
 @pytest.mark.node_faults
 def test_f4_the_scheduler_and_dag_processor_killed_mid_shard_and_started_again_the_run_goes_on(stack):
     """The fault: both containers killed while a shard generates. The Celery worker's tasks talk to the api-server,
@@ -246,12 +257,7 @@ def test_f4_the_scheduler_and_dag_processor_killed_mid_shard_and_started_again_t
     stack.compose("start", "airflow-scheduler", "airflow-dag-processor")
     stack.wait_healthy(("airflow-scheduler", "airflow-dag-processor"))
     stack.wait_settled(run_id)
-    assert_whole_once(stack, run_id)
-    tries = {ti["task_id"]: ti["try_number"] for ti in stack.task_instances(run_id)}
-    servers = len(run_layout(stack, run_id).fleet.server_specs())
-    # Nothing ran twice: one try per task, each prompt sent once (beside the smoke test's).
-    assert set(tries.values()) == {1} and chat_requests(stack, run_id) - len(smoke.PROMPTS) * servers == PROMPTS, \
-        (tries, chat_requests(stack, run_id))
+    assert_nothing_ran_twice(stack, run_id)
 
 
 @pytest.mark.node_faults
@@ -267,14 +273,112 @@ def test_f1_the_api_server_restarted_mid_shard_the_run_finishes_from_its_checkpo
     stack._token = None  # its JWT secret is the same, but log in as a user's script would
     stack.wait_settled(run_id)
     assert_whole_once(stack, run_id)
+    assert_resent_at_most_in_flight(stack, run_id)
+
+
+CELERY_APP = "airflow.providers.celery.executors.celery_executor.app"
+
+
+def celery_control(stack: Stack, command: str, queue: str) -> None:
+    host = stack.inspect("airflow-gpu-worker", "{{.Config.Hostname}}")
+    stack.exec("airflow-gpu-worker", "celery", "--app", CELERY_APP, "control", command, queue, "-d", f"celery@{host}")
+
+
+@pytest.mark.node_faults
+def test_f2_redis_restarted_with_tasks_queued_and_running_none_lost_none_run_twice(stack):
+    """The fault: the Celery broker restarted while shards generate and a task waits in its queue (the GPU worker
+    stops taking its queue for the while, so a task is queued in Redis, not yet in a worker). Redis saves its data
+    set on a clean shutdown (the image's default save points), so the queued message is there after the restart."""
+    run_id = "rehearsal__redis_restarted"
+    queue = read_env(stack.env_file).get("DFLASH_WORKER_QUEUE") or "gpu-node-1"
+    stack.trigger(run_id, {**CONF, **SLOW})
+    shard_of_the_kill(stack, run_id)
+    celery_control(stack, "cancel_consumer", queue)
+    try:
+        deadline = time.monotonic() + 300
+        while "queued" not in stack.task_states(run_id).values():
+            assert time.monotonic() < deadline, stack.task_states(run_id)
+            time.sleep(0.5)
+        docker("restart", stack.container("redis"))
+        stack.wait_healthy(("redis",))
+    finally:
+        celery_control(stack, "add_consumer", queue)
+    stack.wait_settled(run_id)
+    assert_nothing_ran_twice(stack, run_id)
+    # No task waited out Airflow's task_queued_timeout (what a message lost in the broker would need).
+    events = stack.api("GET", "/api/v2/eventLogs", params={"run_id": run_id, "limit": 100}).json()["event_logs"]
+    assert not [e for e in events if "stuck in queued" in (e["event"] or "")], events
+
+
+@pytest.mark.node_faults
+def test_f3_postgres_restarted_mid_shard_the_scheduler_and_the_tasks_recover(stack):
+    """The fault: the metadata DB (also the Celery result backend) restarted while shards generate. The services
+    reconnect (or exit and compose's `restart: always` starts them); a task that failed is retried and sends only
+    what it had not checkpointed."""
+    run_id = "rehearsal__postgres_restarted"
+    stack.trigger(run_id, {**CONF, **SLOW})
+    shard_of_the_kill(stack, run_id)
+    docker("restart", stack.container("postgres"))
+    stack.wait_healthy(LONG_RUNNING)
+    stack._token = None
+    stack.wait_settled(run_id)
+    assert_whole_once(stack, run_id)
+    assert_resent_at_most_in_flight(stack, run_id)
+
+
+def assert_resent_at_most_in_flight(stack: Stack, run_id: str) -> None:
+    """A retried shard re-sends at most what was in flight or not yet checkpointed when its try ended."""
     tis = stack.task_instances(run_id)
     launches = next(ti["try_number"] for ti in tis if ti["task_id"] == "launch_fleet")
     retried = sum(ti["try_number"] - 1 for ti in tis if ti["task_id"] == "generate")
     servers = len(run_layout(stack, run_id).fleet.server_specs())
     resent = chat_requests(stack, run_id) - len(smoke.PROMPTS) * servers * launches - PROMPTS
-    # A retried shard re-sends at most what was in flight or not yet checkpointed when its try ended.
     in_flight = CONF["min_running_requests"] + CONF["checkpoint_every"]
     assert 0 <= resent <= in_flight * retried, (resent, retried, stack.task_states(run_id))
+
+
+def kept_completions(stack: Stack, run_id: str) -> set[str]:
+    layout = run_layout(stack, run_id)
+    return {sid for p in layout.result_files(COMPLETIONS)
+            for sid in pq.read_table(p, columns=["sample_id"]).column("sample_id").to_pylist()}
+
+
+@pytest.mark.node_faults
+@pytest.mark.parametrize("fault", ["down", "reboot"])
+def test_f6_f7_compose_down_or_a_reboot_mid_run_then_a_new_run_sends_only_the_missing_prompts(stack, fault):
+    """The faults: `docker compose down` while shards generate (6); a reboot (7): every container killed at once and
+    the RAM disk emptied. Then `up`, the stale run marked failed, and a new run on the same root (reuse on): it
+    restages the weights if they are gone and sends only the prompts no checkpoint kept."""
+    run_id = f"rehearsal__{fault}"
+    seed = {"seed": 6 if fault == "down" else 7}  # its own fingerprint: the store has no other run's answers for it
+    stack.trigger(run_id, {**CONF, **SLOW, **seed})
+    shard_of_the_kill(stack, run_id)
+    if fault == "down":
+        stack.compose("down", timeout=600)
+    else:
+        running = docker("ps", "-q", "--filter", f"label=com.docker.compose.project={PROJECT}").stdout.split()
+        docker("kill", *running)
+        subprocess.run(["rm", "-rf", f"/dev/shm/{MODEL_NAME}"], check=True)
+    stack.compose("up", "-d", timeout=1800)
+    stack.wait_healthy(LONG_RUNNING)
+    stack._token = None
+    runs = stack.api("GET", f"/api/v2/dags/{DAG_ID}/dagRuns", params={"limit": 100}).json()["dag_runs"]
+    assert run_id in {r["dag_run_id"] for r in runs}  # the history survived
+    # The operator's recovery (docs/operations.md, "The node's own faults"): its tasks died with their containers.
+    stack.api("PATCH", f"/api/v2/dags/{DAG_ID}/dagRuns/{run_id}", json={"state": "failed"})
+    stack.wait_settled(run_id)
+    kept = kept_completions(stack, run_id)
+    assert 0 < len(kept) < PROMPTS, len(kept)
+    again = f"{run_id}__again"
+    run_to_the_end(stack, again, seed)
+    assert_whole_once(stack, again)
+    plan = json.loads(run_layout(stack, again).report("plan").read_text())["reuse"]
+    servers = len(run_layout(stack, again).fleet.server_specs())
+    assert plan["reused"] >= len(kept) and chat_requests(stack, again) - len(smoke.PROMPTS) * servers == \
+        PROMPTS - plan["reused"], (plan, len(kept), chat_requests(stack, again))
+    staged = stack.api("GET", f"/api/v2/dags/{DAG_ID}/dagRuns/{again}/taskInstances/stage_weights/xcomEntries/"
+                              "return_value").json()["value"]
+    assert (staged["copied_bytes"] > 0) == (fault == "reboot"), staged  # restaged only when the RAM disk was emptied
 
 
 # ------------------------------------------------------------------------------------------ 5: down and up
@@ -284,7 +388,9 @@ def test_5_after_down_and_up_history_and_output_survive_and_a_second_run_reuses_
     stack.wait_healthy(LONG_RUNNING)
     stack._token = None  # a new api-server: log in again
     runs = stack.api("GET", f"/api/v2/dags/{DAG_ID}/dagRuns", params={"limit": 100}).json()["dag_runs"]
-    assert {r["dag_run_id"]: r["state"] for r in runs} == {FIRST_RUN: "success", "rehearsal__unwritable": "failed"}
+    history = {r["dag_run_id"]: r["state"] for r in runs}
+    assert {run: history.get(run) for run in (FIRST_RUN, "rehearsal__unwritable")} == \
+        {FIRST_RUN: "success", "rehearsal__unwritable": "failed"}, history
     assert len(published_ids(stack, FIRST_RUN)) == PROMPTS
     run_id = "rehearsal__second"
     states = run_to_the_end(stack, run_id)
