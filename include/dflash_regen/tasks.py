@@ -77,13 +77,13 @@ def fail_fast(fn: Callable[P, R]) -> Callable[P, R]:
                 raise
             # A write outside atomic.py (a server's log, the fleet's records) met the full disk: named as one of
             # atomic.py's is, not as a bare "[Errno 28]" a retry would meet again.
-            full = atomic.disk_full(_written(exc, *args, **kwargs))
+            full = atomic.disk_full(_written(exc, cast(dict, kwargs.get("params", args[0] if args else {}))))
             raise AirflowFailException(_on_host(f"DiskFull: {full}")) from exc
 
     return wrapper
 
 
-def _written(exc: OSError, params: dict, *_args, **_kwargs) -> Path:
+def _written(exc: OSError, params: dict) -> Path:
     """The file the failed write named, else the output root the task writes under."""
     return Path(exc.filename if exc.filename else params.get("output_root") or deployment().output_root)
 
