@@ -66,21 +66,22 @@ def fail_fast(fn: Callable[P, R]) -> Callable[P, R]:
         try:
             return fn(*args, **kwargs)
         except NotRetryable as exc:
-            # One exception in the library error's place (its traceback, its cause): the task log's error then
-            # opens with the library's message instead of repeating it under a second traceback.
-            raise AirflowFailException(_on_host(f"{type(exc).__name__}: {exc}")).with_traceback(
-                exc.__traceback__) from exc.__cause__
+            raise _failed(exc) from exc.__cause__
         except Skipped as exc:  # not a failure (a drain, a run the store completes), nothing to retry
             raise AirflowSkipException(str(exc)) from exc
         except OSError as exc:
             if not atomic.is_disk_full(exc):
                 raise
-            # A write outside atomic.py (a server's log, the fleet's records) met the full disk: named as one of
-            # atomic.py's is, not as a bare "[Errno 28]" a retry would meet again.
-            full = atomic.disk_full(_written(exc, cast(dict, kwargs.get("params", args[0] if args else {}))))
-            raise AirflowFailException(_on_host(f"DiskFull: {full}")) from exc
+            raise _failed(atomic.disk_full(_written(exc, cast(dict, kwargs.get("params", args[0]))))) from exc
 
     return wrapper
+
+
+def _failed(exc: NotRetryable) -> AirflowFailException:
+    """One exception in the library error's place (its traceback): the task log's error then opens with the
+    library's message instead of repeating it under a second traceback. A full disk met outside atomic.py (a
+    server's log, the fleet's records) comes here as a DiskFull too, not as a bare "[Errno 28]"."""
+    return AirflowFailException(_on_host(f"{type(exc).__name__}: {exc}")).with_traceback(exc.__traceback__)
 
 
 def _written(exc: OSError, params: dict) -> Path:

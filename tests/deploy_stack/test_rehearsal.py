@@ -364,7 +364,7 @@ def test_f6_f7_compose_down_or_a_reboot_mid_run_then_a_new_run_sends_only_the_mi
     stack._token = None
     runs = stack.api("GET", f"/api/v2/dags/{DAG_ID}/dagRuns", params={"limit": 100}).json()["dag_runs"]
     assert run_id in {r["dag_run_id"] for r in runs}  # the history survived
-    # The operator's recovery (docs/operations.md, "The node's own faults"): its tasks died with their containers.
+    # The operator's recovery (docs/operations.md): its tasks died with their containers.
     stack.api("PATCH", f"/api/v2/dags/{DAG_ID}/dagRuns/{run_id}", json={"state": "failed"})
     stack.wait_settled(run_id)
     kept = kept_completions(stack, run_id)
