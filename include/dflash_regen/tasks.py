@@ -72,7 +72,7 @@ def fail_fast(fn: Callable[P, R]) -> Callable[P, R]:
         except OSError as exc:
             if not atomic.is_disk_full(exc):
                 raise
-            raise _failed(atomic.disk_full(_written(exc, cast(dict, kwargs.get("params", args[0]))))) from exc
+            raise _failed(atomic.disk_full(_written(exc, args, kwargs))) from exc
 
     return wrapper
 
@@ -84,8 +84,10 @@ def _failed(exc: NotRetryable) -> AirflowFailException:
     return AirflowFailException(_on_host(f"{type(exc).__name__}: {exc}")).with_traceback(exc.__traceback__)
 
 
-def _written(exc: OSError, params: dict) -> Path:
-    """The file the failed write named, else the output root the task writes under."""
+def _written(exc: OSError, args: tuple, kwargs: dict) -> Path:
+    """The file the failed write named, else the output root the task writes under (Params: every task's first
+    argument)."""
+    params = kwargs["params"] if "params" in kwargs else args[0]
     return Path(exc.filename if exc.filename else params.get("output_root") or deployment().output_root)
 
 
