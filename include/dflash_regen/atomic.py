@@ -14,6 +14,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import secrets
 import shutil
 from contextlib import contextmanager
 from pathlib import Path
@@ -52,8 +53,10 @@ def _whole_or_absent(path: Path, tmp: Path, needed: int):
 
 
 def _tmp(path: Path) -> Path:
+    """A temporary name of this writer's own: two writers of one path (a shard run twice at once: a zombie task
+    and its retry) never rename each other's file away. A dot name: no reader's glob takes it."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    return path.with_name(f".{path.name}.tmp")
+    return path.with_name(f".{path.name}.{os.getpid()}-{secrets.token_hex(4)}.tmp")
 
 
 def _fsync(path: Path) -> None:
@@ -104,6 +107,5 @@ def write_table(table, path: Path) -> None:
 def link(src: Path, dst: Path) -> None:
     """`dst` becomes a hard link to `src` in one rename (the output root is one filesystem: docs/operations.md)."""
     tmp = _tmp(dst)
-    tmp.unlink(missing_ok=True)
     os.link(src, tmp)
     _rename(tmp, dst)  # the bytes are src's own: only the new name needs syncing

@@ -31,7 +31,7 @@ def fill(root: Path, leave: int) -> Path:
 
 
 def hidden_leftovers(root: Path) -> list[str]:
-    """Temporary files of an atomic write (`.<name>.tmp`) or of a publish (`.<version>.<id>.tmp/`)."""
+    """Temporary files of an atomic write (`.<name>.<pid>-<id>.tmp`) or of a publish (`.<version>.<id>.tmp/`)."""
     return [str(p) for p in root.rglob(".*.tmp")]
 
 

@@ -63,7 +63,7 @@ def test_the_parts_of_shards_not_merged_yet_count_and_nothing_is_counted_twice(t
     rows(run.parts(COMPLETIONS, 0) / "part-1.parquet", "a")
     rows(run.parts(COMPLETIONS, 1) / "part-1.parquet", "c")
     rows(run.parts(COMPLETIONS, 1) / "part-2.parquet", "d", "e")
-    (run.parts(COMPLETIONS, 1) / ".part-3.parquet.tmp").write_bytes(b"half written")  # atomic's temporary name
+    (run.parts(COMPLETIONS, 1) / ".part-3.parquet.123-0a1b2c3d.tmp").write_bytes(b"half written")  # atomic's temp name
     rows(run.merged(FAILURES, 2), "x")  # another kind: not a completion
     rows(run.planning_quarantine, "p")
     assert ids_in(run.result_files(COMPLETIONS)) == ["a", "b", "c", "d", "e"]
